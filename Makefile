@@ -1,0 +1,54 @@
+# The course kit's commands. Every target sets itself up on a fresh machine: it creates .venv,
+# installs requirements*.txt and the coursekit package, and fetches the GPT-2 tokenizer files.
+#   make book        execute the lessons and build the HTML book (the main job)
+#   make test        the whole test suite          make test-fast   unit + diff tests (< 2 min)
+#   make lab         JupyterLab with the course kernel on 127.0.0.1
+#   make assignments nbgrader student versions of every lesson into release/
+#   make clean       remove everything the targets made
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+INSTALLED := $(VENV)/.installed
+# tiktoken reads the GPT-2 vocabulary from here, so nothing is downloaded at run time.
+export TIKTOKEN_CACHE_DIR := $(CURDIR)/.cache/tiktoken
+TOKENIZER := $(TIKTOKEN_CACHE_DIR)/.complete
+BUILTIN_DATA := data/builtin/meta.json
+
+.PHONY: setup book test test-fast lab assignments clean
+
+setup: $(INSTALLED) $(TOKENIZER)
+
+$(INSTALLED): requirements.txt requirements-dev.txt pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -r requirements.txt -r requirements-dev.txt -e .
+	touch $@
+
+$(TOKENIZER): $(INSTALLED)
+	$(BIN)/python -m coursekit tokenizer fetch
+	touch $@
+
+$(BUILTIN_DATA): setup
+	$(BIN)/python -m coursekit data prepare --source builtin --out data/builtin
+
+# Until the lessons and the book land, the main job prepares the data and trains the tiny std stage.
+book: setup $(BUILTIN_DATA)
+	$(BIN)/python -m coursekit envcheck
+	$(BIN)/python solutions/train_gpt2_std.py --preset tiny --data data/builtin --out runs/std-tiny --resume
+
+test: setup
+	$(BIN)/python -m pytest
+
+test-fast: setup
+	$(BIN)/python -m pytest -m "unit or diffs"
+
+lab: setup
+	$(BIN)/jupyter lab --ip 127.0.0.1 --no-browser $(if $(filter 0,$(shell id -u)),--allow-root)
+
+assignments: setup
+	@echo "make assignments: no lessons with nbgrader cells exist yet (they arrive with lessons 00-01)" >&2
+	@exit 1
+
+clean:
+	rm -rf $(VENV) .cache data runs release _build .pytest_cache

@@ -1,0 +1,3 @@
+from coursekit.cli import main
+
+raise SystemExit(main())

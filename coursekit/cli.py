@@ -1,0 +1,117 @@
+"""``python -m coursekit ...``: the kit's command line.
+
+    envcheck                                   what this machine and kernel offer
+    tokenizer fetch                            put the GPT-2 tokenizer files in the offline cache
+    data prepare --source builtin --out DIR    build the offline corpus
+    data prepare --source fineweb-edu --out DIR --shards N [--sample-file F]
+    presets                                    the model and batch sizes of each preset
+"""
+import argparse
+import json
+import sys
+import time
+
+from coursekit import KitError
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad argument in one line (what is wrong, what is allowed), no usage dump."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return value
+
+
+def build_parser():
+    parser = ArgumentParser(prog="python -m coursekit", description=__doc__,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    envcheck = commands.add_parser("envcheck", help="report devices, versions, Slurm, data, tokenizer")
+    envcheck.add_argument("--json", action="store_true", help="print JSON instead of a report")
+
+    tokenizer = commands.add_parser("tokenizer", help="the GPT-2 tokenizer files")
+    tokenizer.add_argument("action", choices=["fetch"])
+
+    data_cmd = commands.add_parser("data", help="prepare token shards")
+    data_cmd.add_argument("action", choices=["prepare"])
+    data_cmd.add_argument("--source", choices=["builtin", "fineweb-edu"], required=True)
+    data_cmd.add_argument("--out", required=True, help="directory for the shards and meta.json")
+    data_cmd.add_argument("--shards", type=positive_int, default=10,
+                          help="fineweb-edu: number of shards to write, the first is validation")
+    data_cmd.add_argument("--shard-tokens", type=positive_int, default=None,
+                          help="tokens per shard (default 100,000,000)")
+    data_cmd.add_argument("--sample-file", default=None,
+                          help="fineweb-edu: a local JSONL/Parquet file in FineWeb's schema "
+                               "instead of the hub")
+    data_cmd.add_argument("--workers", type=positive_int, default=None,
+                          help="processes for reading and tokenising (default: all cores)")
+
+    commands.add_parser("presets", help="list the presets")
+    return parser
+
+
+def run_envcheck(args):
+    from coursekit import envcheck
+    info = envcheck.collect()
+    print(json.dumps(info, indent=2) if args.json else envcheck.report(info))
+
+
+def run_tokenizer(args):
+    from coursekit import data
+    print(f"GPT-2 tokenizer files ready in {data.fetch_tokenizer()}")
+
+
+def run_data(args):
+    from coursekit import data
+    shard_tokens = args.shard_tokens or data.DEFAULT_SHARD_TOKENS
+    start = time.perf_counter()
+    if args.source == "builtin":
+        meta = data.prepare_builtin(args.out, shard_tokens, args.workers)
+    else:
+        meta = data.prepare_fineweb(args.out, args.shards, shard_tokens, args.sample_file,
+                                    args.workers)
+    counts = ", ".join(f"{split} {s['tokens']:,} tokens in {len(s['shards'])} shard(s)"
+                       for split, s in meta["splits"].items())
+    print(f"prepared {args.source} in {args.out}: {counts} ({time.perf_counter() - start:.1f} s)")
+
+
+def run_presets(args):
+    from coursekit.presets import PRESETS
+    for preset in PRESETS.values():
+        print(f"{preset.name:10s} {preset.n_layer} layers x {preset.n_embd} wide, "
+              f"{preset.n_head} heads, T={preset.seq_len}, microbatch {preset.micro_batch}, "
+              f"{preset.batch_tokens:,} tokens/step, {preset.max_steps:,} steps, data {preset.data}")
+
+
+COMMANDS = {"envcheck": run_envcheck, "tokenizer": run_tokenizer, "data": run_data,
+            "presets": run_presets}
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    try:
+        COMMANDS[args.command](args)
+    except KitError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,135 @@
+"""Performance arithmetic: FLOPs per token, peak FLOP/s of a device, model FLOPs utilisation (MFU).
+
+MFU = (tokens per second x FLOPs per token) / peak FLOP/s of the device. It says how much of the
+hardware's arithmetic the training really uses; 30-50% is good for a GPT on modern GPUs.
+"""
+import ctypes
+import sys
+import time
+
+import torch
+
+# Dense (no sparsity) peak FLOP/s per device as torch sees it, in the precision the stage scripts
+# train in on that device (bf16 tensor cores). Vendor datasheets; an AMD MI250X shows up as two
+# devices (GCDs), so its entry is half of the card's 383 TFLOP/s. First matching substring wins.
+PEAK_FLOPS = [
+    ("H200", 989e12),
+    ("GH200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100", 989e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("A40", 150e12),
+    ("A10", 125e12),
+    ("L4", 121e12),
+    ("V100", 125e12),
+    ("RTX 4090", 165e12),
+    ("RTX 3090", 71e12),
+    ("T4", 65e12),
+    ("MI300X", 1307e12),
+    ("MI250X", 191.5e12),
+    ("MI250", 181e12),
+    ("MI210", 181e12),
+]
+
+
+def matmul_params(n_layer, n_embd, vocab_size):
+    """Weights that take part in matrix multiplications, per token.
+
+    Per block: attention qkv (3 d^2) + output projection (d^2) + MLP up (4 d^2) + down (4 d^2)
+    = 12 d^2; plus the language-model head (V d). Position embeddings, biases and LayerNorms are
+    look-ups or element-wise and left out.
+    """
+    return n_layer * 12 * n_embd**2 + vocab_size * n_embd
+
+
+def flops_per_token(n_layer, n_embd, seq_len, vocab_size):
+    """Training FLOPs per token (forward + backward), the PaLM paper's 6N + 12 L T d.
+
+    6N: each weight does a multiply-add (2 FLOPs) in the forward pass and twice that in the
+    backward pass (gradients for inputs and for weights). 12 L T d: attention's two T x T products
+    (scores Q K^T and their weighted sum of V) cost 2 T d each per token and layer in the forward
+    pass, tripled for the backward pass. The causal mask halves the useful work, but the usual
+    convention (and flash attention's cost) counts the full square.
+    """
+    return 6 * matmul_params(n_layer, n_embd, vocab_size) + 12 * n_layer * seq_len * n_embd
+
+
+def table_peak_flops(device_name):
+    """Peak FLOP/s from the table for a device name, or None if it is not listed."""
+    for fragment, flops in PEAK_FLOPS:
+        if fragment.lower() in device_name.lower():
+            return flops
+    return None
+
+
+_measured = {}
+
+
+def measure_matmul_flops(device, dtype=torch.float32, size=1024, seconds=0.3):
+    """Achieved FLOP/s of square matmuls on ``device``: the practical peak of a CPU (or an unknown
+    accelerator). Measured once per device and dtype in a process."""
+    key = (str(device), dtype)
+    if key not in _measured:
+        a = torch.randn(size, size, device=device, dtype=dtype)
+        b = torch.randn(size, size, device=device, dtype=dtype)
+        _synchronize(device)
+        a @ b  # warm-up: thread pools, kernels, caches
+        _synchronize(device)
+        runs, start = 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            a @ b
+            runs += 1
+            _synchronize(device)
+        _measured[key] = 2 * size**3 * runs / (time.perf_counter() - start)
+    return _measured[key]
+
+
+def _synchronize(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_name(device):
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "xpu":
+        return torch.xpu.get_device_name(device)
+    return "cpu"
+
+
+def peak_flops(device, dtype=torch.float32):
+    """(peak FLOP/s, where the number comes from) for a device: the datasheet table for known
+    accelerators, a measured matmul otherwise (CPUs, unknown GPUs)."""
+    name = device_name(device)
+    flops = table_peak_flops(name) if torch.device(device).type != "cpu" else None
+    if flops is not None:
+        return flops, f"datasheet bf16 peak of {name}"
+    return measure_matmul_flops(device, dtype), f"measured {str(dtype).removeprefix('torch.')} " \
+                                                 f"matmul on {name}"
+
+
+def mfu(tokens_per_second, flops_per_token_, peak):
+    """Model FLOPs utilisation as a fraction (0.41 = 41%)."""
+    return tokens_per_second * flops_per_token_ / peak
+
+
+def keep_freed_cpu_memory():
+    """Stop glibc from handing large freed buffers back to the operating system.
+
+    A training step on a CPU allocates and frees the same big tensors (the logits alone are
+    B x T x 50304 floats) every microbatch. glibc serves each from fresh pages that the kernel must
+    zero again: 40% of a tiny-preset step went to page faults on a 2-core VM. Keeping the freed
+    memory is what the jemalloc/tcmalloc advice of PyTorch's CPU performance guide achieves.
+    """
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:  # not glibc (musl, ...): nothing to tune
+        return False
+    M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
+    largest_int = 2**31 - 1  # mallopt takes a C int: keep up to 2 GiB of freed memory
+    return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, largest_int))

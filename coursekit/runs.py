@@ -1,0 +1,160 @@
+"""Run directories: what a training run leaves behind for lessons, plots and a resumed job.
+
+    RUN_DIR/config.json      arguments, preset, model and batch arithmetic, device
+    RUN_DIR/metrics.jsonl    one JSON object per optimiser step (the same numbers as the printed line)
+    RUN_DIR/ckpt/step_NNNNNNNN/{tensors.safetensors,state.json}
+    RUN_DIR/ckpt/latest.json which checkpoint is the newest
+    RUN_DIR/sample.txt       text generated at the end
+
+Everything is written atomically (a temporary file or directory, then a rename), so a job killed at
+any moment leaves either the old file or the new one, never half of one. Checkpoints hold tensors
+in safetensors and everything else in JSON: loading one never unpickles code.
+"""
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from coursekit import KitError
+
+KEEP_CHECKPOINTS = 2
+
+
+def write_json_atomic(path, obj):
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path):
+    return json.loads(Path(path).read_text())
+
+
+# --- metrics.jsonl ---------------------------------------------------------------------------
+
+def append_metrics(run_dir, record):
+    """Append one step's record; a line is flushed at once so live plots can follow the run."""
+    with open(Path(run_dir) / "metrics.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def read_metrics(run_dir):
+    """All complete records of a run (a line still being written is skipped)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
+def truncate_metrics(run_dir, last_step):
+    """Keep the records up to ``last_step``: a resumed run re-does the steps after its checkpoint."""
+    kept = [r for r in read_metrics(run_dir) if r["step"] <= last_step]
+    path = Path(run_dir) / "metrics.jsonl"
+    tmp = path.with_name(".metrics.jsonl.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    os.replace(tmp, path)
+
+
+# --- nested state <-> (flat tensors, JSON skeleton) ------------------------------------------
+# An optimizer's state_dict mixes tensors, numbers, tuples and int-keyed dicts. It is split into a
+# flat {name: tensor} dict for safetensors and a JSON skeleton that says where each tensor goes.
+
+def flatten_state(obj, prefix="", tensors=None, seen=None):
+    """Return (skeleton, tensors). Tensors sharing storage (tied weights) are stored once."""
+    tensors = {} if tensors is None else tensors
+    seen = {} if seen is None else seen
+    if isinstance(obj, torch.Tensor):
+        key = (obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape), obj.dtype)
+        if key not in seen:
+            seen[key] = prefix or "tensor"
+            tensors[seen[key]] = obj.detach().contiguous()
+        return {"__tensor__": seen[key]}, tensors
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: flatten_state(v, f"{prefix}{k}.", tensors, seen)[0]
+                    for k, v in obj.items()}, tensors
+        return {"__items__": [[k, flatten_state(v, f"{prefix}{k}.", tensors, seen)[0]]
+                              for k, v in obj.items()]}, tensors
+    if isinstance(obj, (list, tuple)):
+        return [flatten_state(v, f"{prefix}{i}.", tensors, seen)[0]
+                for i, v in enumerate(obj)], tensors
+    if obj is None or isinstance(obj, (bool, int, float, str)):
+        return obj, tensors
+    raise TypeError(f"cannot store a {type(obj).__name__} in a checkpoint")
+
+
+def unflatten_state(skeleton, tensors):
+    if isinstance(skeleton, dict):
+        if "__tensor__" in skeleton:
+            return tensors[skeleton["__tensor__"]]
+        if "__items__" in skeleton:
+            return {k: unflatten_state(v, tensors) for k, v in skeleton["__items__"]}
+        return {k: unflatten_state(v, tensors) for k, v in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [unflatten_state(v, tensors) for v in skeleton]
+    return skeleton
+
+
+# --- checkpoints -----------------------------------------------------------------------------
+
+def checkpoint_dir(run_dir):
+    return Path(run_dir) / "ckpt"
+
+
+def latest_checkpoint(run_dir):
+    """The newest complete checkpoint directory, or None."""
+    pointer = checkpoint_dir(run_dir) / "latest.json"
+    if not pointer.exists():
+        return None
+    return checkpoint_dir(run_dir) / read_json(pointer)["dir"]
+
+
+def save_checkpoint(run_dir, step, state):
+    """Write ``state`` (nested dicts of tensors and JSON values) as checkpoint ``step``."""
+    ckpt_root = checkpoint_dir(run_dir)
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    name = f"step_{step:08d}"
+    tmp = ckpt_root / f".{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    skeleton, tensors = flatten_state(state)
+    save_file(tensors, tmp / "tensors.safetensors")
+    write_json_atomic(tmp / "state.json", {"step": step, "state": skeleton})
+    final = ckpt_root / name
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    write_json_atomic(ckpt_root / "latest.json", {"dir": name, "step": step})
+    _prune_checkpoints(ckpt_root, keep=KEEP_CHECKPOINTS)
+    return final
+
+
+def _prune_checkpoints(ckpt_root, keep):
+    for old in sorted(ckpt_root.glob("step_*"))[:-keep]:
+        shutil.rmtree(old)
+
+
+def load_checkpoint(run_dir, map_location="cpu"):
+    """(step, state) of the newest checkpoint, or None when there is none."""
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        return None
+    try:
+        tensors = load_file(path / "tensors.safetensors", device=str(map_location))
+        saved = read_json(path / "state.json")
+    except (OSError, ValueError) as err:
+        raise KitError(f"checkpoint {path} is unreadable ({err})") from None
+    return saved["step"], unflatten_state(saved["state"], tensors)

@@ -1,0 +1,38 @@
+"""Shared fixtures: the kit's root, a freshly built builtin corpus, and a runner for stage scripts."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from coursekit import KIT_ROOT, data
+
+
+@pytest.fixture(scope="session")
+def kit_root():
+    return KIT_ROOT
+
+
+@pytest.fixture(scope="session")
+def builtin_data(tmp_path_factory):
+    """The offline corpus, built once per test session exactly as `make book` builds it."""
+    out = tmp_path_factory.mktemp("builtin")
+    data.prepare_builtin(out, progress=False)
+    return out
+
+
+def stage_command(script, *args):
+    return [sys.executable, str(KIT_ROOT / "solutions" / script), *map(str, args)]
+
+
+def run_stage(script, *args, timeout=600, **kwargs):
+    """Run a stage script to completion; returns the CompletedProcess (text output)."""
+    return subprocess.run(stage_command(script, *args), capture_output=True, text=True,
+                          timeout=timeout, cwd=kwargs.pop("cwd", KIT_ROOT), env=kit_env(), **kwargs)
+
+
+def kit_env():
+    env = dict(os.environ)
+    env.setdefault("TIKTOKEN_CACHE_DIR", str(data.tiktoken_cache_dir()))
+    return env

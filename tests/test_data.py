@@ -1,0 +1,110 @@
+"""The offline tokenizer, the builtin corpus and the FineWeb-Edu path (on a local sample)."""
+import hashlib
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from coursekit import KitError, data
+
+pytestmark = pytest.mark.unit
+
+
+def test_gpt2_tokenizer_works_offline():
+    assert data.tokenizer_available_offline()
+    encoding = data.gpt2_encoding()
+    assert encoding.encode_ordinary("hello world") == [31373, 995]
+    assert encoding.n_vocab == data.EOT_TOKEN + 1
+
+
+def test_corrupt_tokenizer_file_is_not_offline_ready(tmp_path):
+    for name in data.TOKENIZER_FILES:
+        (tmp_path / name).write_text("not the vocabulary")
+    assert not data.tokenizer_available_offline(tmp_path)
+
+
+def test_builtin_corpus_is_big_enough_and_well_formed(builtin_data):
+    meta = data.read_meta(builtin_data)
+    assert meta["source"] == "builtin" and meta["tokenizer"].startswith("gpt2")
+    train, val = meta["splits"]["train"], meta["splits"]["val"]
+    assert train["tokens"] + val["tokens"] >= 500_000
+    assert 0.02 < val["tokens"] / (train["tokens"] + val["tokens"]) < 0.10
+    for split in ("train", "val"):
+        tokens = np.concatenate([np.load(builtin_data / name) for name in meta["splits"][split]["shards"]])
+        assert tokens.dtype == np.uint16 and len(tokens) == meta["splits"][split]["tokens"]
+        assert tokens[0] == data.EOT_TOKEN and tokens.max() <= data.EOT_TOKEN
+    for name, digest in meta["manifest"].items():
+        assert hashlib.sha256((builtin_data / name).read_bytes()).hexdigest() == digest
+
+
+def test_builtin_corpus_is_deterministic(builtin_data, tmp_path):
+    again = data.prepare_builtin(tmp_path, progress=False)
+    assert again["manifest"] == data.read_meta(builtin_data)["manifest"]
+
+
+def test_builtin_corpus_is_readable_python_documentation(builtin_data):
+    meta = data.read_meta(builtin_data)
+    text = data.gpt2_encoding().decode(np.load(builtin_data / meta["splits"]["val"]["shards"][0]).tolist())
+    documents = text.split("<|endoftext|>")[1:]
+    assert len(documents) == sum(map(data.is_validation_document, documents)) > 100
+
+
+def test_missing_data_names_the_command_that_prepares_it(tmp_path):
+    with pytest.raises(KitError, match="coursekit data prepare --source builtin --out"):
+        data.read_meta(tmp_path / "nowhere")
+
+
+# --- FineWeb-Edu, offline: the same code pointed at a local file in FineWeb's schema -----------
+
+@pytest.fixture(scope="module")
+def fineweb_sample(tmp_path_factory):
+    from pydoc_data.topics import topics
+    path = tmp_path_factory.mktemp("fineweb") / "sample.jsonl"
+    rows = [{"text": topics[name], "id": f"<urn:uuid:{i}>", "dump": "CC-MAIN-2024-10",
+             "url": f"https://example.org/{name}", "file_path": "s3://sample", "language": "en",
+             "language_score": 0.95, "token_count": 0, "score": 3.1, "int_score": 3}
+            for i, name in enumerate(sorted(topics))]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path, [row["text"] for row in rows]
+
+
+def test_fineweb_path_writes_val_then_train_shards(fineweb_sample, tmp_path):
+    path, texts = fineweb_sample
+    meta = data.prepare_fineweb(tmp_path, shards=3, shard_tokens=3000, sample_file=path,
+                                workers=2, progress=False)
+    assert meta["source"] == "fineweb-edu"
+    assert meta["splits"]["val"] == {"shards": ["val_000000.npy"], "tokens": 3000}
+    assert meta["splits"]["train"] == {"shards": ["train_000000.npy", "train_000001.npy"], "tokens": 6000}
+
+    encoding = data.gpt2_encoding()
+    documents = [[data.EOT_TOKEN, *encoding.encode_ordinary(t)] for t in texts]
+    stream = np.concatenate(documents)
+    assert np.array_equal(np.load(tmp_path / "val_000000.npy"), stream[:3000])
+    # the document that straddles the end of the validation shard is not reused for training
+    starts = np.cumsum([0] + [len(d) for d in documents])
+    first_train = starts[np.searchsorted(starts, 3000)]
+    train = np.concatenate([np.load(tmp_path / f"train_00000{i}.npy") for i in (0, 1)])
+    assert np.array_equal(train, stream[first_train:first_train + 6000])
+
+
+def test_fineweb_source_too_small_is_a_clear_error(fineweb_sample, tmp_path):
+    path, _ = fineweb_sample
+    with pytest.raises(KitError, match="ran out"):
+        data.prepare_fineweb(tmp_path, shards=2, shard_tokens=10**8, sample_file=path,
+                             workers=1, progress=False)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--source", "web"], "argument --source: invalid choice: 'web'"),
+    (["--source", "fineweb-edu", "--shards", "0"], "argument --shards: expected a positive integer, got 0"),
+    (["--source", "fineweb-edu", "--shards", "1"], "--shards 1 is too few"),
+    (["--source", "builtin", "--shard-tokens", "many"], "expected a positive integer, got 'many'"),
+])
+def test_data_cli_errors_are_one_line(tmp_path, args, message):
+    result = subprocess.run([sys.executable, "-m", "coursekit", "data", "prepare",
+                             "--out", str(tmp_path / "d"), *args], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "Traceback" not in result.stderr

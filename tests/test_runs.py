@@ -1,0 +1,86 @@
+"""Run directories: metrics.jsonl, atomic JSON, checkpoints in safetensors + JSON."""
+import json
+
+import pytest
+import torch
+
+from coursekit import runs
+
+pytestmark = pytest.mark.unit
+
+
+def trained_optimizer():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def test_optimizer_state_round_trips_through_a_checkpoint(tmp_path):
+    model, optimizer = trained_optimizer()
+    runs.save_checkpoint(tmp_path, 7, {"optimizer": optimizer.state_dict(), "note": "x"})
+    step, state = runs.load_checkpoint(tmp_path)
+    assert step == 7 and state["note"] == "x"
+
+    fresh = torch.optim.AdamW(model.parameters(), lr=5.0)
+    fresh.load_state_dict(state["optimizer"])
+    original, restored = optimizer.state_dict(), fresh.state_dict()
+    assert restored["param_groups"][0]["lr"] == 1e-3
+    assert list(restored["state"]) == list(original["state"])  # int keys survive JSON
+    for index, slots in original["state"].items():
+        for name, tensor in slots.items():
+            assert torch.equal(restored["state"][index][name], tensor)
+
+
+def test_tied_tensors_are_stored_once(tmp_path):
+    shared = torch.randn(5, 3)
+    skeleton, tensors = runs.flatten_state({"wte": shared, "lm_head": shared, "other": shared.clone()})
+    assert len(tensors) == 2 and skeleton["wte"] == skeleton["lm_head"]
+    runs.save_checkpoint(tmp_path, 1, {"wte": shared, "lm_head": shared})
+    _, state = runs.load_checkpoint(tmp_path)
+    assert torch.equal(state["wte"], shared) and torch.equal(state["lm_head"], shared)
+
+
+def test_checkpoint_holds_no_pickle(tmp_path):
+    model, optimizer = trained_optimizer()
+    path = runs.save_checkpoint(tmp_path, 3, {"model": model.state_dict(), "opt": optimizer.state_dict()})
+    assert sorted(p.name for p in path.iterdir()) == ["state.json", "tensors.safetensors"]
+    json.loads((path / "state.json").read_text())
+
+
+def test_only_the_newest_checkpoints_are_kept_and_latest_points_to_the_last(tmp_path):
+    for step in (10, 20, 30):
+        runs.save_checkpoint(tmp_path, step, {"w": torch.full((2,), float(step))})
+    assert sorted(p.name for p in (tmp_path / "ckpt").glob("step_*")) == ["step_00000020", "step_00000030"]
+    step, state = runs.load_checkpoint(tmp_path)
+    assert step == 30 and state["w"][0] == 30
+
+
+def test_an_interrupted_save_leaves_the_previous_checkpoint_usable(tmp_path):
+    runs.save_checkpoint(tmp_path, 10, {"w": torch.ones(2)})
+    half_written = tmp_path / "ckpt" / ".step_00000020.tmp"
+    half_written.mkdir()
+    (half_written / "tensors.safetensors").write_bytes(b"\x00" * 5)
+    step, state = runs.load_checkpoint(tmp_path)
+    assert step == 10 and torch.equal(state["w"], torch.ones(2))
+
+
+def test_no_checkpoint_is_none(tmp_path):
+    assert runs.load_checkpoint(tmp_path) is None
+
+
+def test_metrics_truncate_and_partial_lines(tmp_path):
+    for step in range(1, 6):
+        runs.append_metrics(tmp_path, {"step": step, "loss": 1.0 / step})
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 6, "lo')  # a job killed mid-write
+    assert [r["step"] for r in runs.read_metrics(tmp_path)] == [1, 2, 3, 4, 5]
+    runs.truncate_metrics(tmp_path, 3)
+    assert [r["step"] for r in runs.read_metrics(tmp_path)] == [1, 2, 3]
+
+
+def test_json_is_written_atomically(tmp_path):
+    runs.write_json_atomic(tmp_path / "config.json", {"a": 1})
+    assert runs.read_json(tmp_path / "config.json") == {"a": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]

@@ -1,0 +1,187 @@
+"""The std stage as trainees run it: a real process on the builtin corpus."""
+import math
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import kit_env, run_stage, stage_command
+from coursekit import runs
+
+pytestmark = pytest.mark.stages
+SCRIPT = "train_gpt2_std.py"
+STEP_LINE = re.compile(r"step (\d+)/(\d+) \| loss (\d+\.\d+) \| lr (\S+) \| grad_norm (\S+) \| "
+                       r"(\S+) ms \| ([\d,]+) tok/s \| mfu (\S+)%")
+LN_VOCAB = math.log(50304)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(builtin_data, tmp_path_factory):
+    """The tiny preset's full default run, as `make book` trains it."""
+    out = tmp_path_factory.mktemp("tiny") / "run"
+    result = run_stage(SCRIPT, "--preset", "tiny", "--data", builtin_data, "--out", out)
+    assert result.returncode == 0, result.stderr
+    return out, result.stdout
+
+
+def test_tiny_loss_falls_below_60_percent_of_ln_vocab(tiny_run):
+    out, stdout = tiny_run
+    metrics = runs.read_metrics(out)
+    assert [r["step"] for r in metrics] == list(range(1, 301))
+    assert abs(metrics[0]["loss"] - LN_VOCAB) < 0.3  # an untrained model guesses uniformly
+    final_val = metrics[-1]["val_loss"]
+    assert final_val <= 0.6 * LN_VOCAB
+    assert sum(r["loss"] for r in metrics[-20:]) / 20 <= 0.6 * LN_VOCAB
+
+
+def test_every_step_prints_one_parseable_line_matching_metrics(tiny_run):
+    out, stdout = tiny_run
+    lines = [STEP_LINE.match(line) for line in stdout.splitlines() if line.startswith("step ")]
+    metrics = runs.read_metrics(out)
+    assert len(lines) == len(metrics) == 300
+    for match, record in zip(lines, metrics):
+        assert int(match[1]) == record["step"] and match[2] == "300"
+        assert float(match[3]) == pytest.approx(record["loss"], abs=5e-5)
+        assert float(match[8]) / 100 == pytest.approx(record["mfu"], abs=5e-4)
+        assert record["tok_per_s"] > 0 and record["ms"] > 0
+
+
+def test_terminology_identity_is_printed_and_recorded(tiny_run):
+    out, stdout = tiny_run
+    config = runs.read_json(out / "config.json")
+    args = config["args"]
+    assert args["micro_batch"] * config["grad_accum"] * args["seq_len"] == args["batch_tokens"]
+    identity = (f"{args['max_steps']:,} steps x {args['micro_batch']} x {config['grad_accum']} x "
+                f"{args['seq_len']} = {args['max_steps'] * args['batch_tokens']:,} tokens")
+    assert identity in stdout
+    assert "microbatch = 4 samples | grad_accum = 2" in stdout
+    assert (out / "sample.txt").read_text().startswith("The")
+
+
+def test_checkpoint_is_safetensors_and_json_and_reproduces_the_model(tiny_run, builtin_data):
+    out, _ = tiny_run
+    ckpt = runs.latest_checkpoint(out)
+    assert ckpt.name == "step_00000300"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["state.json", "tensors.safetensors"]
+    tensors = load_file(ckpt / "tensors.safetensors")  # no pickle: cannot run code
+    assert all(isinstance(t, torch.Tensor) for t in tensors.values())
+
+    from test_perf import load_stage
+    std = load_stage("train_gpt2_std")
+    config = runs.read_json(out / "config.json")
+    model = std.GPT(std.GPTConfig(**config["model"]))
+    step, state = runs.load_checkpoint(out)
+    model.load_state_dict(state["model"], strict=True)
+    args = config["args"]
+    val_loader = std.TokenShardLoader(builtin_data, "val", args["micro_batch"], args["seq_len"])
+    val_loss = std.evaluate(model, val_loader, args["eval_steps"], torch.device("cpu"),
+                            std.autocast_for(torch.device("cpu"))[0])
+    assert val_loss == pytest.approx(runs.read_metrics(out)[-1]["val_loss"], abs=1e-6)
+
+
+# --- resume: interrupted runs continue exactly ------------------------------------------------
+SHORT = ["--preset", "tiny", "--max-steps", "30", "--eval-interval", "10", "--sample-tokens", "0"]
+SAME = ("step", "loss", "lr", "grad_norm", "val_loss", "epoch")
+
+
+@pytest.fixture(scope="module")
+def reference_metrics(builtin_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    result = run_stage(SCRIPT, *SHORT, "--data", builtin_data, "--out", out)
+    assert result.returncode == 0, result.stderr
+    return runs.read_metrics(out)
+
+
+def interrupt_at(step, how, command, run_dir):
+    """Start a run and deliver ``how`` once it has logged ``step`` steps."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=kit_env())
+    deadline = time.time() + 300
+    while len(runs.read_metrics(run_dir)) < step:
+        assert process.poll() is None and time.time() < deadline, process.communicate()
+        time.sleep(0.05)
+    process.send_signal(how)
+    stdout, stderr = process.communicate(timeout=120)
+    return process.returncode, stdout, stderr
+
+
+@pytest.mark.parametrize("how, ckpt_interval", [(signal.SIGTERM, 1000), (signal.SIGUSR1, 1000),
+                                                (signal.SIGKILL, 10)], ids=["SIGTERM", "SIGUSR1", "SIGKILL"])
+def test_resume_after_interruption_is_identical(builtin_data, tmp_path, reference_metrics, how,
+                                                ckpt_interval):
+    command = stage_command(SCRIPT, *SHORT, "--data", builtin_data, "--out", tmp_path,
+                            "--ckpt-interval", ckpt_interval)
+    returncode, stdout, _ = interrupt_at(14, how, command, tmp_path)
+    stopped_at = runs.read_metrics(tmp_path)[-1]["step"]
+    if how == signal.SIGKILL:
+        assert returncode == -signal.SIGKILL and runs.load_checkpoint(tmp_path)[0] == 10
+    else:  # the Slurm pre-emption signals: checkpoint, say so, exit 0 for the requeue
+        assert returncode == 0 and f"{how.name} received: checkpoint saved at step {stopped_at}" in stdout
+        assert stopped_at < 30 and runs.load_checkpoint(tmp_path)[0] == stopped_at
+
+    resumed = subprocess.run(command + ["--resume"], capture_output=True, text=True, env=kit_env(),
+                             timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stdout
+    metrics = runs.read_metrics(tmp_path)
+    assert [{k: r.get(k) for k in SAME} for r in metrics] == \
+           [{k: r.get(k) for k in SAME} for r in reference_metrics]
+
+
+@pytest.mark.slow
+def test_compile_gives_the_same_first_loss(builtin_data, tmp_path, reference_metrics):
+    result = run_stage(SCRIPT, *SHORT[:2], "--max-steps", "2", "--sample-tokens", "0", "--compile",
+                       "--data", builtin_data, "--out", tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "compile on" in result.stdout
+    assert runs.read_metrics(tmp_path)[0]["loss"] == pytest.approx(reference_metrics[0]["loss"], abs=1e-4)
+
+
+# --- bad input: one line naming the value and what is allowed ---------------------------------
+BAD_ARGUMENTS = [
+    (["--preset", "huge"], "argument --preset: invalid choice: 'huge' (choose from 'tiny', 'small', 'gpt2-124m')"),
+    (["--max-steps", "0"], "argument --max-steps: expected a positive integer, got 0"),
+    (["--max-steps", "ten"], "argument --max-steps: expected a positive integer, got 'ten'"),
+    (["--micro-batch", "-4"], "argument --micro-batch: expected a positive integer, got -4"),
+    (["--seq-len", "0"], "argument --seq-len: expected a positive integer, got 0"),
+    (["--lr", "0"], "argument --lr: expected a positive number, got 0"),
+    (["--lr=-1e-3"], "argument --lr: expected a positive number, got -1e-3"),
+    (["--batch-tokens", "1000"], "--batch-tokens 1000 is not a multiple of micro-batch x seq-len = 4 x 128 = 512"),
+    (["--seq-len", "2048"], "--seq-len 2048 is longer than the tiny model's context of 128 tokens"),
+    (["--warmup-steps", "500"], "--warmup-steps 500 must be between 0 and --max-steps (300)"),
+    (["--device", "tpu"], "argument --device: invalid choice: 'tpu'"),
+    (["--micro-batch", "400", "--batch-tokens", "51200"], "fewer than one microbatch needs (51,201)"),
+    (["--sample-tokens", "-1"], "--sample-tokens -1 must be between 0 and 4096"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
+def test_bad_arguments_give_one_line(builtin_data, tmp_path, args, message):
+    result = run_stage(SCRIPT, "--preset", "tiny", "--data", builtin_data, "--out", tmp_path / "r", *args)
+    assert result.returncode == 2
+    assert message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+
+
+def test_missing_data_says_how_to_prepare_it(tmp_path):
+    result = run_stage(SCRIPT, "--preset", "tiny", "--data", tmp_path / "nodata", "--out", tmp_path / "r")
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert f"python -m coursekit data prepare --source builtin --out {tmp_path / 'nodata'}" in result.stderr
+
+
+def test_existing_run_is_not_overwritten_without_resume(tiny_run, builtin_data):
+    out, _ = tiny_run
+    before = (out / "metrics.jsonl").read_bytes()
+    result = run_stage(SCRIPT, "--preset", "tiny", "--data", builtin_data, "--out", out)
+    assert result.returncode == 2 and "already holds a checkpoint: pass --resume" in result.stderr
+    assert (out / "metrics.jsonl").read_bytes() == before
+
+
+def test_out_that_is_a_file_is_refused(builtin_data, tmp_path):
+    (tmp_path / "file").write_text("x")
+    result = run_stage(SCRIPT, "--preset", "tiny", "--data", builtin_data, "--out", tmp_path / "file")
+    assert result.returncode == 2 and "is a file, not a run directory" in result.stderr
