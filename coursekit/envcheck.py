@@ -38,10 +38,10 @@ def usable_cpu_cores():
 
 
 def prepared_data(root=None):
-    """{directory: meta.json contents} for every prepared data directory under root/data."""
-    root = Path(root or Path.cwd())
+    """{directory: meta.json contents} of every prepared data directory under ./data and the kit's data/."""
+    roots = [Path(root)] if root else [Path.cwd(), KIT_ROOT]
     found = {}
-    for meta_path in sorted(root.glob("data/*/meta.json")):
+    for meta_path in sorted({m.absolute() for r in roots for m in r.glob("data/*/meta.json")}):
         found[str(meta_path.parent)] = data.read_meta(meta_path.parent)
     return found
 
@@ -82,7 +82,7 @@ def report(info):
             lines.append(f"prepared data     {directory}: {meta['source']}, "
                          + ", ".join(f"{split} {n:,} tokens" for split, n in tokens.items()))
     else:
-        lines.append(f"prepared data     none under ./data (run `{data.prepare_command('data/builtin')}`)")
+        lines.append(f"prepared data     none under ./data or the kit's data/ (run `{data.prepare_command('data/builtin')}`)")
     lines.append(f"gpt-2 tokenizer   offline: {yes_no[info['tokenizer_offline']]} "
                  f"({info['tokenizer_cache']})")
     return "\n".join(lines)

@@ -1,8 +1,9 @@
 """Model and batch sizes of the stage scripts, one preset per scale.
 
-``tiny`` trains visibly on a 2-core laptop CPU in a couple of minutes; ``small`` is a step up for a
-single GPU or a patient CPU; ``gpt2-124m`` is the real GPT-2 small recipe (12 layers, 768 wide,
-1024 context, ~0.5M tokens per optimiser step, 10B tokens of FineWeb-Edu in 19,073 steps).
+``tiny`` trains visibly on a 2-core laptop CPU in a minute or two. ``small`` is a step up for a
+single GPU or a patient CPU (about 4.5 epochs of the builtin corpus). ``gpt2-124m`` is the real
+GPT-2 small recipe: 12 layers, 768 wide, 1024 context, ~0.5M tokens per optimiser step, 10B tokens
+of FineWeb-Edu in 19,073 steps.
 """
 from dataclasses import asdict, dataclass
 
@@ -49,9 +50,9 @@ PRESETS = {
                weight_decay=0.1, grad_clip=1.0, eval_interval=50, eval_steps=8,
                ckpt_interval=100, data="data/builtin"),
         Preset("small", n_layer=6, n_head=6, n_embd=384, seq_len=256, vocab_size=PADDED_VOCAB,
-               micro_batch=16, batch_tokens=16384, max_steps=2000, warmup_steps=100, lr=1.5e-3,
-               weight_decay=0.1, grad_clip=1.0, eval_interval=100, eval_steps=10,
-               ckpt_interval=250, data="data/builtin"),
+               micro_batch=16, batch_tokens=8192, max_steps=400, warmup_steps=40, lr=1.5e-3,
+               weight_decay=0.1, grad_clip=1.0, eval_interval=50, eval_steps=10,
+               ckpt_interval=100, data="data/builtin"),
         Preset("gpt2-124m", n_layer=12, n_head=12, n_embd=768, seq_len=1024,
                vocab_size=PADDED_VOCAB, micro_batch=64, batch_tokens=524288, max_steps=19073,
                warmup_steps=715, lr=6e-4, weight_decay=0.1, grad_clip=1.0, eval_interval=250,

@@ -81,7 +81,7 @@ def flatten_state(obj, prefix="", tensors=None, seen=None):
         key = (obj.untyped_storage().data_ptr(), obj.storage_offset(), tuple(obj.shape), obj.dtype)
         if key not in seen:
             seen[key] = prefix or "tensor"
-            tensors[seen[key]] = obj.detach().contiguous()
+            tensors[seen[key]] = obj.detach().cpu().contiguous()
         return {"__tensor__": seen[key]}, tensors
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj):

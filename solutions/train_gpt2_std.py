@@ -13,7 +13,6 @@ The words of the course, as this script uses them:
     step        one optimiser update;   epoch: one pass over the training tokens
     identity    tokens seen = steps x B x grad_accum x T
 """
-import argparse
 import math
 import signal
 import sys

@@ -43,7 +43,7 @@ def test_every_step_prints_one_parseable_line_matching_metrics(tiny_run):
     lines = [STEP_LINE.match(line) for line in stdout.splitlines() if line.startswith("step ")]
     metrics = runs.read_metrics(out)
     assert len(lines) == len(metrics) == 300
-    for match, record in zip(lines, metrics):
+    for match, record in zip(lines, metrics, strict=True):
         assert int(match[1]) == record["step"] and match[2] == "300"
         assert float(match[3]) == pytest.approx(record["loss"], abs=5e-5)
         assert float(match[8]) / 100 == pytest.approx(record["mfu"], abs=5e-4)
@@ -85,15 +85,33 @@ def test_checkpoint_is_safetensors_and_json_and_reproduces_the_model(tiny_run, b
 
 # --- resume: interrupted runs continue exactly ------------------------------------------------
 SHORT = ["--preset", "tiny", "--max-steps", "30", "--eval-interval", "10", "--sample-tokens", "0"]
-SAME = ("step", "loss", "lr", "grad_norm", "val_loss", "epoch")
+EXACT = ("step", "lr", "epoch")
+# The printed loss of a step can differ in its last bit (1 ulp, ~1e-7 relative) between two
+# identical CPU runs when the machine is busy; the training state itself is compared bit for bit.
+REPORTED = ("loss", "grad_norm", "val_loss")
 
 
 @pytest.fixture(scope="module")
-def reference_metrics(builtin_data, tmp_path_factory):
+def reference_run(builtin_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     result = run_stage(SCRIPT, *SHORT, "--data", builtin_data, "--out", out)
     assert result.returncode == 0, result.stderr
-    return runs.read_metrics(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_metrics(reference_run):
+    return runs.read_metrics(reference_run)
+
+
+def assert_same_run(metrics, reference):
+    assert [{k: r.get(k) for k in EXACT} for r in metrics] == [{k: r.get(k) for k in EXACT} for r in reference]
+    for got, expected in zip(metrics, reference, strict=True):
+        for key in REPORTED:
+            if expected.get(key) is None:  # validation runs on some steps only
+                assert got.get(key) is None
+            else:
+                assert got.get(key) == pytest.approx(expected[key], rel=3e-7), (got["step"], key)
 
 
 def interrupt_at(step, how, command, run_dir):
@@ -111,8 +129,8 @@ def interrupt_at(step, how, command, run_dir):
 
 @pytest.mark.parametrize("how, ckpt_interval", [(signal.SIGTERM, 1000), (signal.SIGUSR1, 1000),
                                                 (signal.SIGKILL, 10)], ids=["SIGTERM", "SIGUSR1", "SIGKILL"])
-def test_resume_after_interruption_is_identical(builtin_data, tmp_path, reference_metrics, how,
-                                                ckpt_interval):
+def test_resume_after_interruption_is_identical(builtin_data, tmp_path, reference_run,
+                                                reference_metrics, how, ckpt_interval):
     command = stage_command(SCRIPT, *SHORT, "--data", builtin_data, "--out", tmp_path,
                             "--ckpt-interval", ckpt_interval)
     returncode, stdout, _ = interrupt_at(14, how, command, tmp_path)
@@ -127,9 +145,27 @@ def test_resume_after_interruption_is_identical(builtin_data, tmp_path, referenc
                              timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout
-    metrics = runs.read_metrics(tmp_path)
-    assert [{k: r.get(k) for k in SAME} for r in metrics] == \
-           [{k: r.get(k) for k in SAME} for r in reference_metrics]
+    assert_same_run(runs.read_metrics(tmp_path), reference_metrics)
+    final, expected = runs.load_checkpoint(tmp_path), runs.load_checkpoint(reference_run)
+    assert final[0] == expected[0] == 30
+    for part in ("model", "optimizer", "train_loader"):
+        assert_identical(final[1][part], expected[1][part])
+
+
+def assert_identical(got, expected):
+    """Nested state (tensors, numbers, dicts, lists) equal bit for bit."""
+    if isinstance(expected, torch.Tensor):
+        assert torch.equal(got, expected)
+    elif isinstance(expected, dict):
+        assert got.keys() == expected.keys()
+        for key in expected:
+            assert_identical(got[key], expected[key])
+    elif isinstance(expected, list):
+        assert len(got) == len(expected)
+        for a, b in zip(got, expected):
+            assert_identical(a, b)
+    else:
+        assert got == expected
 
 
 @pytest.mark.slow

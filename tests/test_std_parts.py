@@ -1,0 +1,76 @@
+"""Pieces of the std stage script, imported and checked in-process."""
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from test_perf import load_stage
+
+pytestmark = pytest.mark.unit
+std = load_stage("train_gpt2_std")
+
+
+def test_learning_rate_warms_up_linearly_then_decays_by_cosine():
+    lr = [std.learning_rate(s, 1.0, warmup_steps=10, max_steps=110) for s in range(110)]
+    assert lr[0] == pytest.approx(0.1) and lr[9] == pytest.approx(1.0)
+    assert lr[10] == pytest.approx(1.0) and lr[60] == pytest.approx(0.55)  # halfway: mean of max and min
+    assert std.learning_rate(110, 1.0, 10, 110) == pytest.approx(0.1)
+    assert all(a >= b for a, b in zip(lr[10:], lr[11:]))
+
+
+def make_shards(tmp_path, sizes):
+    for i, size in enumerate(sizes):
+        np.save(tmp_path / f"train_{i:06d}.npy", np.arange(size, dtype=np.uint16) + 1000 * i)
+
+
+def test_loader_shifts_targets_walks_shards_and_counts_epochs(tmp_path):
+    make_shards(tmp_path, [25, 25])
+    loader = std.TokenShardLoader(tmp_path, "train", B=2, T=4)
+    x, y = loader.next_batch()
+    assert x.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]] and torch.equal(y.flatten(), x.flatten() + 1)
+    loader.next_batch(), loader.next_batch()  # 0..23 of shard 0; 24 tokens need 25 to shift
+    x, _ = loader.next_batch()
+    assert x[0, 0] == 1000 and loader.epoch == 0  # on to shard 1
+    for _ in range(3):
+        x, _ = loader.next_batch()
+    assert x[0, 0] == 0 and loader.epoch == 1  # back to shard 0: one epoch done
+
+
+def test_loader_state_restores_the_same_batches(tmp_path):
+    make_shards(tmp_path, [40, 40])
+    loader = std.TokenShardLoader(tmp_path, "train", B=1, T=8)
+    for _ in range(5):
+        loader.next_batch()
+    state = loader.state_dict()
+    expected = [loader.next_batch()[0] for _ in range(6)]
+    again = std.TokenShardLoader(tmp_path, "train", B=1, T=8)
+    again.load_state_dict(state)
+    assert all(torch.equal(a, b) for a, b in zip(expected, [again.next_batch()[0] for _ in range(6)]))
+
+
+def test_weights_are_tied_and_initialised_like_gpt2():
+    torch.manual_seed(0)
+    config = std.GPTConfig(vocab_size=1000, block_size=16, n_layer=8, n_head=4, n_embd=256)
+    model = std.GPT(config)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert model.transformer.h[0].mlp.c_fc.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.transformer.h[0].mlp.c_proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+
+
+def test_attention_is_causal():
+    torch.manual_seed(0)
+    model = std.GPT(std.GPTConfig(vocab_size=100, block_size=8, n_layer=2, n_head=2, n_embd=16))
+    idx = torch.randint(0, 100, (1, 8))
+    changed = idx.clone()
+    changed[0, 5] = (idx[0, 5] + 1) % 100
+    before, after = model(idx)[0], model(changed)[0]
+    assert torch.equal(before[0, :5], after[0, :5]) and not torch.equal(before[0, 5:], after[0, 5:])
+
+
+def test_no_weight_decay_on_biases_and_norms():
+    model = std.GPT(std.GPTConfig(vocab_size=100, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    decay, no_decay = std.configure_optimizer(model, 1e-3, 0.1, torch.device("cpu")).param_groups
+    assert decay["weight_decay"] == 0.1 and all(p.dim() == 2 for p in decay["params"])
+    assert no_decay["weight_decay"] == 0.0 and all(p.dim() == 1 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
