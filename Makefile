@@ -32,10 +32,12 @@ $(TOKENIZER): $(INSTALLED)
 $(BUILTIN_DATA): setup
 	$(BIN)/python -m coursekit data prepare --source builtin --out data/builtin
 
-# Until the lessons and the book land, the main job prepares the data and trains the tiny std stage.
+# Execute every lesson (cached in _build/.jupyter_cache: unchanged lessons are not re-run) and
+# build the HTML book with warnings as errors.
 book: setup $(BUILTIN_DATA)
 	$(BIN)/python -m coursekit envcheck
-	$(BIN)/python solutions/train_gpt2_std.py --preset tiny --data data/builtin --out runs/std-tiny --resume
+	$(BIN)/jupyter-book build . -W -n --keep-going
+	@echo "The book is in _build/html/index.html"
 
 test: setup
 	$(BIN)/python -m pytest
@@ -47,8 +49,8 @@ lab: setup
 	$(BIN)/jupyter lab --ip 127.0.0.1 --no-browser $(if $(filter 0,$(shell id -u)),--allow-root)
 
 assignments: setup
-	@echo "make assignments: no lessons with nbgrader cells exist yet (they arrive with lessons 00-01)" >&2
-	@exit 1
+	$(BIN)/python -m coursekit assignments
 
 clean:
-	rm -rf $(VENV) .cache data runs release _build .pytest_cache
+	rm -rf $(VENV) .cache data runs release submitted autograded feedback gradebook.db _build \
+	  .pytest_cache notebooks/*/runs

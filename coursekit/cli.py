@@ -5,6 +5,7 @@
     data prepare --source builtin --out DIR    build the offline corpus
     data prepare --source fineweb-edu --out DIR --shards N [--sample-file F]
     presets                                    the model and batch sizes of each preset
+    assignments [--root DIR]                   nbgrader student versions of every lesson
 """
 import argparse
 import json
@@ -67,6 +68,9 @@ def build_parser():
                           help="processes for reading and tokenising (default: all cores)")
 
     commands.add_parser("presets", help="list the presets")
+
+    assignments = commands.add_parser("assignments", help="nbgrader student versions of the lessons")
+    assignments.add_argument("--root", default=None, help="course root (default: the kit's checkout)")
     return parser
 
 
@@ -103,8 +107,16 @@ def run_presets(args):
               f"{preset.batch_tokens:,} tokens/step, {preset.max_steps:,} steps, data {preset.data}")
 
 
+def run_assignments(args):
+    from coursekit import KIT_ROOT, grading
+    root = args.root or KIT_ROOT
+    names = grading.lessons(root)
+    release = grading.generate(root, names)
+    print(f"student versions of {len(names)} lessons in {release}: {', '.join(names)}")
+
+
 COMMANDS = {"envcheck": run_envcheck, "tokenizer": run_tokenizer, "data": run_data,
-            "presets": run_presets}
+            "presets": run_presets, "assignments": run_assignments}
 
 
 def main(argv=None):

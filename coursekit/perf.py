@@ -4,8 +4,10 @@ MFU = (tokens per second x FLOPs per token) / peak FLOP/s of the device. It says
 hardware's arithmetic the training really uses; 30-50% is good for a GPT on modern GPUs.
 """
 import ctypes
+import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -133,3 +135,23 @@ def keep_freed_cpu_memory():
     M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
     largest_int = 2**31 - 1  # mallopt takes a C int: keep up to 2 GiB of freed memory
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, largest_int))
+
+
+def cpu_peak_estimate(cores=None):
+    """Theoretical fp32 peak FLOP/s of this CPU: cores x clock x FLOPs per cycle per core.
+
+    FLOPs per cycle from the vector units /proc/cpuinfo reports: two AVX-512 FMA units do
+    2 x 16 lanes x 2 (multiply + add) = 64; two AVX2 FMA units 32; plain SSE about 8. Some CPUs
+    have one AVX-512 unit, so this is an upper estimate. None where /proc/cpuinfo is missing.
+    """
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return None
+    fields = dict(line.split(":", 1) for line in cpuinfo.read_text().splitlines() if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    if "cpu MHz" not in fields:
+        return None
+    flags = set(fields.get("flags", "").split())
+    per_cycle = 64 if "avx512f" in flags else 32 if {"avx2", "fma"} <= flags else 8
+    cores = cores or len(os.sched_getaffinity(0))
+    return cores * float(fields["cpu MHz"]) * 1e6 * per_cycle

@@ -53,3 +53,9 @@ def test_cpu_peak_is_measured():
 def test_mfu_arithmetic():
     # 100k tokens/s x 850 MFLOP/token = 85 TFLOP/s of 312 -> 27%
     assert perf.mfu(100_000, 8.5e8, 312e12) == pytest.approx(0.2724, abs=1e-4)
+
+
+def test_cpu_peak_estimate_bounds_the_measured_matmul():
+    estimate = perf.cpu_peak_estimate()
+    measured = perf.measure_matmul_flops("cpu")
+    assert estimate is not None and 0.1 * estimate < measured < 1.2 * estimate

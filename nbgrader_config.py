@@ -1,0 +1,17 @@
+"""nbgrader configuration: the lessons in notebooks/ are the source tree, one assignment per lesson.
+
+    make assignments                        student versions of every lesson into release/
+    nbgrader autograde 01-single-gpu-gpt    grade submitted/<student>/01-single-gpu-gpt/*.ipynb
+    nbgrader formgrader (in JupyterLab)     manual grading and feedback
+"""
+c = get_config()  # noqa: F821 (provided by nbgrader when it loads this file)
+
+c.CourseDirectory.source_directory = "notebooks"
+c.CourseDirectory.release_directory = "release"
+c.CourseDirectory.submitted_directory = "submitted"
+c.CourseDirectory.autograded_directory = "autograded"
+c.CourseDirectory.feedback_directory = "feedback"
+# The jupytext pair of a lesson holds its solutions: only the notebook is released.
+c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedback", "runs",
+                            "[0-9][0-9]-*.py"]
+c.ExecutePreprocessor.timeout = 600

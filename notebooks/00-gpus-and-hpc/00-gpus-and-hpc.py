@@ -1,0 +1,316 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 00 · GPUs, nodes and clusters
+#
+# **Objectives.** After this lesson you can
+# - describe how a cluster is built from nodes, and a node from CPUs and GPUs;
+# - measure the FLOP/s your device reaches on a matrix multiplication and compare it with its peak;
+# - compute speedup and parallel efficiency, and predict the limit Amdahl's law sets;
+# - read a Slurm batch file, submit it, and name the `SLURM_*` variables a job sees;
+# - start a JupyterLab session with GPUs from Open OnDemand.
+#
+# **Prerequisites.** Python and a little NumPy; no GPU needed.
+#
+# **Time.** 45 minutes.
+
+# %% [markdown]
+# ## GPUs, nodes and clusters
+#
+# A **cluster** is many computers (**nodes**) joined by a fast network (InfiniBand, Slingshot,
+# RoCE). A **GPU node** holds one or two CPUs with dozens of cores, hundreds of GB of memory and,
+# typically, 4 or 8 GPUs linked to each other by NVLink or Infinity Fabric (hundreds of GB/s) and
+# to other nodes by the network (tens of GB/s per GPU). You do not log in to the compute nodes: you
+# log in to a **login node** and ask the **scheduler** (Slurm) for resources; it starts your
+# **job** on compute nodes when they are free.
+#
+# A GPU is a throughput machine: thousands of simple cores and matrix units ("tensor cores") that
+# do the same operation on many numbers at once. Training a neural network is mostly matrix
+# multiplication, which is why GPUs are used: an NVIDIA H100 does about 989 **TFLOP/s**
+# (10¹² floating-point operations per second) in bf16, a laptop CPU a fraction of one.
+#
+# First, what does this kernel see?
+
+# %%
+from coursekit import envcheck
+
+print(envcheck.report(envcheck.collect()))
+
+# %% [markdown]
+# ## FLOP/s: measuring your device
+#
+# Multiplying an $n \times m$ matrix by an $m \times k$ one takes $n k$ dot products of length
+# $m$: $m$ multiplications and $m$ additions each, so $2nmk$ floating-point operations (FLOPs). For
+# square $n \times n$ matrices that is $2n^3$.
+#
+# **Exercise 1.** Write `achieved_tflops(n, seconds)`: the TFLOP/s of one $n \times n$ by
+# $n \times n$ matrix multiplication that took `seconds`.
+
+# %% nbgrader={"grade": false, "grade_id": "achieved_tflops", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def achieved_tflops(n, seconds):
+    ### BEGIN SOLUTION
+    return 2 * n**3 / seconds / 1e12
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "achieved_tflops_tests", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+assert abs(achieved_tflops(1000, 1.0) - 0.002) < 1e-12
+assert abs(achieved_tflops(8192, 0.00111) - 990.6) < 0.1  # an H100 at its bf16 peak
+
+# %% [markdown]
+# Now measure. Small matrices cannot keep the device busy (the time goes into launching work and
+# moving data), large ones can: watch the achieved FLOP/s rise with $n$ and level off near the
+# device's peak. The peak of a GPU comes from its datasheet; for a CPU we estimate it as
+# cores × clock × FLOPs per cycle of its vector units.
+
+# %%
+import time
+
+import matplotlib.pyplot as plt
+import torch
+
+from coursekit import perf
+
+device = "cuda" if torch.cuda.is_available() else "cpu"
+dtype = torch.bfloat16 if device == "cuda" else torch.float32
+
+
+def time_matmul(n, repeats=5):
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    a @ b  # warm-up
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    if device == "cuda":
+        torch.cuda.synchronize()  # GPU work is asynchronous: wait before reading the clock
+    return (time.perf_counter() - start) / repeats
+
+
+sizes = [128, 256, 512, 1024, 2048] + ([4096, 8192] if device == "cuda" else [])
+tflops = [achieved_tflops(n, time_matmul(n)) for n in sizes]
+peak = perf.table_peak_flops(perf.device_name(device)) if device == "cuda" else perf.cpu_peak_estimate()
+for n, t in zip(sizes, tflops):
+    print(f"n = {n:5d}: {t:8.3f} TFLOP/s" + (f" = {100 * t * 1e12 / peak:5.1f}% of peak" if peak else ""))
+
+fig, ax = plt.subplots(figsize=(6, 3.5))
+ax.plot(sizes, tflops, "o-", label=f"measured on {perf.device_name(device)}")
+if peak:
+    ax.axhline(peak / 1e12, color="grey", linestyle="--", label="peak")
+ax.set_xscale("log", base=2)
+ax.set_xlabel("matrix size n")
+ax.set_ylabel("TFLOP/s")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# ## Speedup and parallel efficiency
+#
+# If a job takes $T_1$ on one processor and $T_p$ on $p$ processors, the **speedup** is
+# $S_p = T_1 / T_p$ and the **parallel efficiency** is $E_p = S_p / p$. A job that takes 80 hours
+# on 1 GPU and 22 hours on 4 has a speedup of 3.64 and an efficiency of 91%: 9% of the four GPUs'
+# time went into communication, waiting, or work that was not split.
+#
+# **Exercise 2.** Write `speedup(t1, tp)` and `efficiency(t1, tp, p)`.
+
+# %% nbgrader={"grade": false, "grade_id": "speedup", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def speedup(t1, tp):
+    ### BEGIN SOLUTION
+    return t1 / tp
+    ### END SOLUTION
+
+
+def efficiency(t1, tp, p):
+    ### BEGIN SOLUTION
+    return speedup(t1, tp) / p
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "speedup_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+assert abs(speedup(80, 22) - 3.636) < 1e-3
+assert abs(efficiency(80, 22, 4) - 0.909) < 1e-3
+### BEGIN HIDDEN TESTS
+assert abs(speedup(100, 100) - 1.0) < 1e-12
+assert abs(efficiency(64, 1, 64) - 1.0) < 1e-12
+assert abs(efficiency(10, 4, 8) - 0.3125) < 1e-12
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## Amdahl's law
+#
+# Suppose a fraction $s$ of the work cannot be parallelised (reading the data, a serial
+# optimiser step, logging). With $p$ processors the time is $T_p = T_1 (s + (1 - s)/p)$, so
+#
+# $$S_p = \frac{1}{s + (1-s)/p} \quad\xrightarrow{p \to \infty}\quad \frac{1}{s}.$$
+#
+# Even 5% serial work caps the speedup at 20, however many GPUs you buy.
+#
+# **Exercise 3.** Write `amdahl_speedup(serial_fraction, p)`, and `serial_fraction(t1, tp, p)`,
+# which inverts it: the serial fraction that explains a measured pair of times (the Karp-Flatt
+# metric). For the 80 h / 22 h example it is 3.3%.
+
+# %% nbgrader={"grade": false, "grade_id": "amdahl", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def amdahl_speedup(serial_fraction, p):
+    ### BEGIN SOLUTION
+    return 1 / (serial_fraction + (1 - serial_fraction) / p)
+    ### END SOLUTION
+
+
+def serial_fraction(t1, tp, p):
+    ### BEGIN SOLUTION
+    return (tp / t1 - 1 / p) / (1 - 1 / p)
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "amdahl_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+assert abs(amdahl_speedup(0.05, 10**9) - 20) < 1e-6
+assert abs(amdahl_speedup(0.0, 8) - 8) < 1e-12
+assert abs(serial_fraction(80, 22, 4) - 0.0333) < 1e-4
+### BEGIN HIDDEN TESTS
+assert abs(amdahl_speedup(1.0, 64) - 1.0) < 1e-12
+assert abs(amdahl_speedup(0.1, 4) - 1 / 0.325) < 1e-12
+assert abs(serial_fraction(100, 100 * amdahl_speedup(0.2, 16) ** -1, 16) - 0.2) < 1e-12
+### END HIDDEN TESTS
+
+# %%
+import numpy as np
+
+gpus = np.arange(1, 257)
+fig, ax = plt.subplots(figsize=(6, 3.5))
+for s in (0.0, 0.01, 0.05, 0.1):
+    ax.plot(gpus, amdahl_speedup(s, gpus), label=f"serial fraction {s:.0%}")
+ax.plot([4], [speedup(80, 22)], "ko", label="80 h -> 22 h on 4")
+ax.set_xscale("log", base=2)
+ax.set_yscale("log", base=2)
+ax.set_xlabel("processors p")
+ax.set_ylabel("speedup")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# ## Slurm: asking for GPUs
+#
+# On a cluster you describe a job in a **batch file**: a shell script whose `#SBATCH` comment
+# lines are options for the scheduler, then the commands to run.
+#
+# | command | what it does |
+# |---|---|
+# | `sbatch job.sh` | queue the batch file; prints the job id |
+# | `squeue --me` | your queued and running jobs |
+# | `srun CMD` | inside a job: start `CMD` once per task, on the allocated nodes |
+# | `scancel ID` | cancel a job |
+# | `sinfo` | partitions and the state of their nodes |
+#
+# Inside the job, Slurm tells each task where it is through environment variables:
+# `SLURM_JOB_ID`, `SLURM_JOB_NODELIST` (e.g. `gpu[01-02]`), `SLURM_NNODES`, `SLURM_NTASKS`,
+# `SLURM_PROCID` (this task's global rank), `SLURM_LOCALID` (its rank on the node),
+# `SLURM_NODEID`, `SLURM_CPUS_PER_TASK` and, with GPUs, `SLURM_GPUS_ON_NODE`. The distributed
+# lessons turn exactly these into PyTorch's `RANK`, `WORLD_SIZE` and `LOCAL_RANK`.
+
+# %%
+example_batch_file = """#!/bin/bash
+#SBATCH --job-name=gpt2-ddp
+#SBATCH --account=my-project
+#SBATCH --partition=gpu
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=32
+#SBATCH --time=01:00:00
+
+srun torchrun --nnodes=$SLURM_NNODES --nproc-per-node=4 train_gpt2_ddp.py
+"""
+print(example_batch_file)
+
+# %% [markdown]
+# **Exercise 4.** Write `total_gpus(batch_file)`: how many GPUs the batch file asks for, from its
+# `--nodes` (or `-N`) and `--gpus-per-node` lines. Options may be written `--nodes=2` or
+# `--nodes 2`; a missing `--nodes` means one node. Only `#SBATCH` lines count.
+
+# %% nbgrader={"grade": false, "grade_id": "total_gpus", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def total_gpus(batch_file):
+    ### BEGIN SOLUTION
+    options = {}
+    for line in batch_file.splitlines():
+        if line.startswith("#SBATCH"):
+            words = line[len("#SBATCH"):].replace("=", " ").split()
+            options.update(zip(words[::2], words[1::2]))
+    nodes = int(options.get("--nodes", options.get("-N", 1)))
+    return nodes * int(options.get("--gpus-per-node", 0))
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "total_gpus_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+assert total_gpus(example_batch_file) == 8
+assert total_gpus("#!/bin/bash\n#SBATCH --gpus-per-node=4\nsrun hostname\n") == 4
+### BEGIN HIDDEN TESTS
+assert total_gpus("#!/bin/bash\n#SBATCH -N 3\n#SBATCH --gpus-per-node 2\n") == 6
+assert total_gpus("#!/bin/bash\n#SBATCH --nodes 16\n#SBATCH --gpus-per-node=8\n# --nodes=99\n") == 128
+assert total_gpus("#!/bin/bash\n#SBATCH --nodes=2\n") == 0
+### END HIDDEN TESTS
+
+# %% [markdown]
+# What does Slurm say about the session you are in? On a laptop there is no Slurm, and the cell
+# says so; inside an Open OnDemand JupyterLab the kernel runs in a job and sees its variables.
+
+# %% tags=["cluster"]
+import os
+import shutil
+import subprocess
+
+slurm_variables = {k: v for k, v in sorted(os.environ.items()) if k.startswith("SLURM_")}
+if slurm_variables:
+    for name in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_NTASKS",
+                 "SLURM_CPUS_PER_TASK", "SLURM_GPUS_ON_NODE"):
+        print(f"{name:22s} {slurm_variables.get(name, '-')}")
+else:
+    print("This kernel is not inside a Slurm job.")
+if shutil.which("squeue"):
+    print(subprocess.run(["squeue", "--me"], capture_output=True, text=True).stdout)
+else:
+    print("No Slurm commands here: on a cluster, `squeue --me` would list your jobs.")
+
+# %% [markdown]
+# ## JupyterLab from Open OnDemand
+#
+# Most HPC centres run [Open OnDemand](https://openondemand.org), a web portal to the cluster.
+# To start this course's JupyterLab:
+#
+# 1. Log in to your centre's Open OnDemand address with your cluster account.
+# 2. Choose **Interactive Apps → JupyterLab** (or the course's own app, if your instructor
+#    installed it).
+# 3. Fill in the form: account/project, partition, number of hours, number of GPUs (1-4), and the
+#    course environment or kernel ("GPT course").
+# 4. **Launch**. The request waits in the Slurm queue like any job; when it starts, press
+#    **Connect to Jupyter**.
+# 5. Open this notebook and check that the first cell lists your GPUs.
+#
+# The session *is* a Slurm job: it ends when its time is up, and anything larger than the
+# session's GPUs goes through `sbatch` from a terminal in JupyterLab.
+
+# %% [markdown]
+# ## Key points
+#
+# - A cluster is nodes joined by a network; a GPU node has several GPUs joined by a faster link.
+#   You reach compute nodes through the Slurm scheduler, not by logging in.
+# - Training is matrix multiplication: $2n^3$ FLOPs for an $n \times n$ product. Large matrices
+#   get close to the device's peak FLOP/s, small ones do not.
+# - Speedup $S_p = T_1/T_p$, efficiency $E_p = S_p/p$; Amdahl's law caps the speedup at
+#   $1/s$ for a serial fraction $s$.
+# - A batch file is a shell script with `#SBATCH` options; `sbatch` queues it, `srun` starts its
+#   tasks, and each task learns its place from `SLURM_*` variables.

@@ -1,0 +1,328 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 01 · A GPT on one GPU
+#
+# **Objectives.** After this lesson you can
+# - use the words of the course precisely: vocabulary, data set, sample, microbatch, minibatch,
+#   step, epoch, and do the arithmetic that links them;
+# - find every part of GPT-2 in `solutions/train_gpt2_std.py` and count its parameters;
+# - train it, inside the notebook and as a script, and read the run's `metrics.jsonl`;
+# - generate text from a checkpoint;
+# - compute the model FLOPs utilisation (MFU) of a run and say what limits it.
+#
+# **Prerequisites.** Lesson 00; PyTorch tensors and `nn.Module`.
+#
+# **Time.** 60 minutes.
+
+# %%
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+
+from coursekit import KIT_ROOT, data, perf, presets, runs
+
+DATA = KIT_ROOT / "data" / "builtin"
+if not (DATA / "meta.json").exists():  # the offline corpus: built in seconds, once
+    data.prepare_builtin(DATA)
+meta = data.read_meta(DATA)
+print(json.dumps({split: info["tokens"] for split, info in meta["splits"].items()}), meta["description"])
+
+# %% [markdown]
+# ## The words of the course
+#
+# - **Vocabulary**: the tokens the model knows. GPT-2's tokenizer has 50,257 (byte-pair pieces of
+#   words, plus `<|endoftext|>`); the model pads its table to 50,304, a multiple of 128 that GPUs
+#   multiply faster.
+# - **Data set**: the training text as one long stream of token ids. Here: Python's own
+#   documentation, about 770,000 tokens; on a cluster, FineWeb-Edu's 10 billion.
+# - **Sample**: one sequence of $T$ tokens (the context length). The model predicts every next
+#   token, so a sample is $T$ predictions.
+# - **Microbatch**: $B$ samples that go through one forward and backward pass together. Its size
+#   is limited by memory.
+# - **Minibatch**: the samples behind one optimiser **step**. Gradients of `grad_accum`
+#   microbatches are added up before the step, so minibatch = $B$ × `grad_accum` (× the number of
+#   GPUs, from lesson 02).
+# - **Epoch**: one pass over the data set.
+#
+# The identity that ties them: **tokens = steps × B × grad_accum × T**.
+
+# %%
+encoding = data.gpt2_encoding()
+sentence = "Return the number of items in a container."
+ids = encoding.encode_ordinary(sentence)
+print(ids)
+print([encoding.decode([i]) for i in ids])
+
+# %% [markdown]
+# **Exercise 1.** Write `tokens_per_step(micro_batch, grad_accum, seq_len)` and
+# `steps_per_epoch(dataset_tokens, micro_batch, grad_accum, seq_len)` (whole steps only). GPT-2
+# 124M takes 524,288 tokens per step with $B = 64$ and $T = 1024$: `grad_accum` 8 on one GPU.
+
+# %% nbgrader={"grade": false, "grade_id": "batch_arithmetic", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def tokens_per_step(micro_batch, grad_accum, seq_len):
+    ### BEGIN SOLUTION
+    return micro_batch * grad_accum * seq_len
+    ### END SOLUTION
+
+
+def steps_per_epoch(dataset_tokens, micro_batch, grad_accum, seq_len):
+    ### BEGIN SOLUTION
+    return dataset_tokens // tokens_per_step(micro_batch, grad_accum, seq_len)
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "batch_arithmetic_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+assert tokens_per_step(64, 8, 1024) == 524_288
+assert steps_per_epoch(10_000_000_000, 64, 8, 1024) == 19_073
+### BEGIN HIDDEN TESTS
+assert tokens_per_step(4, 2, 128) == 1024
+assert steps_per_epoch(1023, 4, 2, 128) == 0
+assert steps_per_epoch(725_882, 4, 2, 128) == 708
+### END HIDDEN TESTS
+
+# %%
+tiny = presets.get_preset("tiny")
+accum = tiny.batch_tokens // (tiny.micro_batch * tiny.seq_len)
+print(f"tiny preset: B={tiny.micro_batch}, T={tiny.seq_len}, grad_accum={accum} -> "
+      f"{tokens_per_step(tiny.micro_batch, accum, tiny.seq_len):,} tokens per step, "
+      f"{steps_per_epoch(meta['splits']['train']['tokens'], tiny.micro_batch, accum, tiny.seq_len)} steps per epoch")
+
+# %% [markdown]
+# ## The model, walked through
+#
+# `solutions/train_gpt2_std.py` is the script every later lesson changes. Open it next to this
+# notebook: it reads top to bottom. We import its parts here rather than copy them.
+#
+# - `wte`: the token embedding, a $V \times d$ table (one row of $d$ numbers per token);
+#   `wpe`: the position embedding, $T \times d$. Their sum enters the **residual stream**.
+# - $L$ **blocks**, each LayerNorm → causal self-attention → add, then LayerNorm → MLP → add.
+#   Attention lets each position read from earlier ones (`is_causal=True` hides later ones); the
+#   MLP ($d \to 4d \to d$) works on each position alone.
+# - A last LayerNorm and the **language-model head**, a $d \times V$ matrix that turns each
+#   position's vector into a score (logit) for every token. GPT-2 **ties** it to `wte`: the same
+#   matrix reads tokens in and writes them out.
+
+# %%
+import importlib.util
+
+spec = importlib.util.spec_from_file_location("train_gpt2_std", KIT_ROOT / "solutions" / "train_gpt2_std.py")
+std = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(std)
+
+torch.manual_seed(1337)
+config = std.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len, n_layer=tiny.n_layer,
+                       n_head=tiny.n_head, n_embd=tiny.n_embd)
+model = std.GPT(config)
+print(model)
+print(f"{sum(p.numel() for p in model.parameters()):,} parameters")
+
+# %% [markdown]
+# **Exercise 2.** Write `gpt2_parameters(n_layer, n_embd, vocab_size, block_size)`, the number of
+# parameters of this GPT with tied embeddings. Per block: two LayerNorms ($2d$ each: gain and
+# bias), `c_attn` ($d \times 3d$ + bias), attention `c_proj` ($d \times d$ + bias), `c_fc`
+# ($d \times 4d$ + bias), MLP `c_proj` ($4d \times d$ + bias). Plus the embeddings and the final
+# LayerNorm. GPT-2 small (50,257 tokens, 1,024 positions, 12 layers, 768 wide) has 124,439,808.
+
+# %% nbgrader={"grade": false, "grade_id": "parameters", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def gpt2_parameters(n_layer, n_embd, vocab_size, block_size):
+    ### BEGIN SOLUTION
+    d = n_embd
+    per_block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+    return vocab_size * d + block_size * d + n_layer * per_block + 2 * d
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "parameters_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+assert gpt2_parameters(12, 768, 50257, 1024) == 124_439_808
+assert gpt2_parameters(config.n_layer, config.n_embd, config.vocab_size, config.block_size) == \
+    sum(p.numel() for p in model.parameters())
+### BEGIN HIDDEN TESTS
+assert gpt2_parameters(12, 768, 50304, 1024) == 124_475_904
+assert gpt2_parameters(0, 8, 10, 4) == 10 * 8 + 4 * 8 + 16
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## Training inside the notebook
+#
+# A short run of the tiny preset with the script's own parts: its data loader, optimiser and
+# learning-rate schedule. The loss starts near $\ln V = \ln 50304 \approx 10.8$ (a uniform guess)
+# and falls as the model learns which tokens are common and which follow which. The plot updates
+# as it trains.
+
+# %%
+from IPython.display import display
+
+train_loader = std.TokenShardLoader(DATA, "train", tiny.micro_batch, tiny.seq_len)
+optimizer = std.configure_optimizer(model, tiny.lr, tiny.weight_decay, torch.device("cpu"))
+steps, losses = 40, []
+fig, ax = plt.subplots(figsize=(6, 3.5))
+handle = display(fig, display_id=True)
+for step in range(steps):
+    lr = std.learning_rate(step, tiny.lr, warmup_steps=4, max_steps=steps)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.zero_grad()
+    for _ in range(accum):
+        x, y = train_loader.next_batch()
+        _, loss = model(x, y)
+        (loss / accum).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), tiny.grad_clip)
+    optimizer.step()
+    losses.append(loss.item())
+    if (step + 1) % 5 == 0:
+        ax.clear()
+        ax.plot(range(1, len(losses) + 1), losses)
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        handle.update(fig)
+plt.close(fig)
+print(f"loss {losses[0]:.2f} -> {losses[-1]:.2f} in {steps} steps")
+
+# %% [markdown]
+# ## Training with the script
+#
+# Real runs are scripts, not notebook cells: they run for hours, in batch jobs, on many GPUs. The
+# notebook starts the script as a subprocess and reads what it leaves in its run directory. Every
+# step prints one line and appends the same numbers to `metrics.jsonl`.
+
+# %%
+import shutil
+
+run_dir = Path("runs") / "std-tiny-lesson01"
+shutil.rmtree(run_dir, ignore_errors=True)  # a fresh demonstration run each time the cell runs
+command = [sys.executable, str(KIT_ROOT / "solutions" / "train_gpt2_std.py"), "--preset", "tiny",
+           "--data", str(DATA), "--out", str(run_dir), "--max-steps", "60", "--eval-interval", "20"]
+start = time.perf_counter()
+result = subprocess.run(command, capture_output=True, text=True, check=True)
+print("\n".join(result.stdout.splitlines()[:8] + ["..."] + result.stdout.splitlines()[-3:]))
+print(f"({time.perf_counter() - start:.0f} s)")
+
+# %%
+metrics = runs.read_metrics(run_dir)
+validation = [r for r in metrics if "val_loss" in r]
+fig, ax = plt.subplots(figsize=(6, 3.5))
+ax.plot([r["step"] for r in metrics], [r["loss"] for r in metrics], label="training loss")
+ax.plot([r["step"] for r in validation], [r["val_loss"] for r in validation], "o-", label="validation loss")
+ax.set_xlabel("step")
+ax.set_ylabel("loss")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# ## Generating text
+#
+# The model gives a score for every token of the vocabulary; generation turns scores into
+# probabilities (softmax, sharpened or flattened by a **temperature**), keeps only the `top_k`
+# most likely tokens, draws one, appends it, and repeats.
+#
+# **Exercise 3.** Write `top_k_filter(logits, k)`: a copy of the 1-D tensor `logits` in which every
+# entry that is not among the `k` largest is `-inf` (so its probability after softmax is zero).
+
+# %% nbgrader={"grade": false, "grade_id": "top_k", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def top_k_filter(logits, k):
+    ### BEGIN SOLUTION
+    kth_largest = torch.topk(logits, k).values[-1]
+    return torch.where(logits < kth_largest, torch.full_like(logits, -float("inf")), logits)
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "top_k_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+scores = torch.tensor([1.0, 5.0, 3.0, -2.0, 4.0])
+assert top_k_filter(scores, 2).tolist() == [-float("inf"), 5.0, -float("inf"), -float("inf"), 4.0]
+assert torch.equal(scores, torch.tensor([1.0, 5.0, 3.0, -2.0, 4.0]))  # the input is unchanged
+### BEGIN HIDDEN TESTS
+assert top_k_filter(scores, 5).tolist() == scores.tolist()
+assert torch.softmax(top_k_filter(scores, 1), dim=0).tolist() == [0.0, 1.0, 0.0, 0.0, 0.0]
+### END HIDDEN TESTS
+
+# %%
+step, state = runs.load_checkpoint(run_dir)
+trained = std.GPT(config)
+trained.load_state_dict(state["model"])
+trained.eval()
+prompt = torch.tensor([encoding.encode_ordinary("Return the")])
+for temperature in (0.5, 1.0):
+    generator = torch.Generator().manual_seed(0)
+    tokens = trained.generate(prompt, 30, temperature=temperature, generator=generator)[0].tolist()
+    print(f"temperature {temperature}: {encoding.decode([t for t in tokens if t < data.EOT_TOKEN])!r}")
+
+# %% [markdown]
+# After 60 steps on a laptop the model has learned common words, punctuation and the layout of
+# docstrings, not meaning. GPT-2 124M on FineWeb-Edu needs 19,073 steps of 524,288 tokens: about
+# 90 minutes on 8 H100s, days on one.
+#
+# ## Model FLOPs utilisation (MFU)
+#
+# Training one token costs about $6N + 12LTd$ FLOPs: each of the $N$ weights used in matrix
+# products does a multiply-add (2 FLOPs) in the forward pass and two in the backward pass, and
+# attention adds its $T \times T$ products. MFU is the fraction of the device's peak those FLOPs
+# use: $\text{MFU} = \text{tokens/s} \times \text{FLOPs per token} / \text{peak FLOP/s}$.
+#
+# **Exercise 4.** Write `flops_per_token(n_layer, n_embd, seq_len, vocab_size)` with
+# $N = 12 L d^2 + V d$ (the block matrices and the language-model head).
+
+# %% nbgrader={"grade": false, "grade_id": "flops", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def flops_per_token(n_layer, n_embd, seq_len, vocab_size):
+    ### BEGIN SOLUTION
+    n_matmul = 12 * n_layer * n_embd**2 + vocab_size * n_embd
+    return 6 * n_matmul + 12 * n_layer * seq_len * n_embd
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "flops_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+assert flops_per_token(12, 768, 1024, 50304) == 854_654_976
+### BEGIN HIDDEN TESTS
+assert flops_per_token(4, 64, 128, 50304) == perf.flops_per_token(4, 64, 128, 50304)
+assert flops_per_token(1, 1, 1, 1) == 6 * 13 + 12
+### END HIDDEN TESTS
+
+# %%
+config_json = runs.read_json(run_dir / "config.json")
+median_tokens_per_s = sorted(r["tok_per_s"] for r in metrics)[len(metrics) // 2]
+fpt = flops_per_token(config.n_layer, config.n_embd, config.block_size, config.vocab_size)
+print(f"{fpt / 1e6:.1f} MFLOP per token x {median_tokens_per_s:,.0f} tokens/s = "
+      f"{fpt * median_tokens_per_s / 1e9:.1f} GFLOP/s of {config_json['peak_flops'] / 1e9:.0f} "
+      f"({config_json['peak_source']}) -> MFU {fpt * median_tokens_per_s / config_json['peak_flops']:.0%}")
+
+# %% [markdown]
+# What keeps MFU below 100%:
+# - **Small matrices.** The tiny model's $64 \times 64$ products cannot fill a device (lesson 00's
+#   benchmark); GPT-2's $768 \times 3072$ ones do much better.
+# - **Memory-bound operations.** LayerNorm, GELU, softmax and the optimiser move many bytes per
+#   FLOP; `torch.compile` fuses them, and flash attention avoids writing the $T \times T$ matrix.
+# - **Precision.** Tensor cores reach their peak in bf16; fp32 matmuls run at a fraction of it.
+# - **Everything outside the GPU**: Python overhead, data loading, logging and, from lesson 02 on,
+#   communication between GPUs.
+#
+# Good GPT-2 runs on A100s and H100s reach 35-50%.
+
+# %% [markdown]
+# ## Key points
+#
+# - tokens = steps × microbatch × grad_accum × T (× GPUs); an epoch is one pass over the data set.
+# - GPT-2 is embeddings, $L$ identical blocks of attention and MLP around a residual stream, and a
+#   head tied to the token embedding: 124M parameters at 12 × 768.
+# - Real training runs as a script; notebooks launch it and read its `metrics.jsonl` and
+#   checkpoints.
+# - A language model generates by sampling one token at a time from its softmax, shaped by
+#   temperature and top-k.
+# - MFU = tokens/s × (6N + 12LTd) / peak FLOP/s; it measures how well the run uses the hardware.

@@ -1,0 +1,59 @@
+"""The Jupyter Book: builds with warnings as errors, lessons executed, every page reachable."""
+import os
+import re
+import subprocess
+import sys
+import time
+import pytest
+import yaml
+
+from coursekit import KIT_ROOT
+
+pytestmark = [pytest.mark.book, pytest.mark.slow]
+
+
+def toc_files():
+    toc = yaml.safe_load((KIT_ROOT / "_toc.yml").read_text())
+    files = [toc["root"]]
+    for part in toc["parts"]:
+        files += [chapter["file"] for chapter in part["chapters"]]
+    return files
+
+
+@pytest.fixture(scope="module")
+def html(tmp_path_factory):
+    """A cold build (no execution cache) into a temporary folder, exactly as `make book` runs it."""
+    out = tmp_path_factory.mktemp("book")
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "jupyter_book", "build", str(KIT_ROOT), "-W", "-n",
+                             "--keep-going", "--path-output", str(out)], capture_output=True, text=True,
+                            timeout=1500)
+    print(f"cold book build: {time.perf_counter() - start:.0f} s")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    return out / "_build" / "html"
+
+
+def test_every_toc_entry_is_a_page_reachable_from_the_index(html):
+    pages = {f"{name}.html" for name in toc_files()}
+    assert all((html / page).is_file() for page in pages)
+    reachable, todo = set(), ["book/intro.html"]
+    while todo:
+        page = todo.pop()
+        if page in reachable or not (html / page).is_file():
+            continue
+        reachable.add(page)
+        for link in re.findall(r'href="([^"#:]+\.html)', (html / page).read_text()):
+            todo.append(os.path.normpath(os.path.join(os.path.dirname(page), link)))
+    assert pages <= reachable
+
+
+def test_lessons_are_executed_with_outputs(html):
+    lesson00 = (html / "notebooks/00-gpus-and-hpc/00-gpus-and-hpc.html").read_text()
+    assert "TFLOP/s" in lesson00 and "<img" in lesson00  # benchmark printout and plots
+    lesson01 = (html / "notebooks/01-single-gpu-gpt/01-single-gpu-gpt.html").read_text()
+    assert "tokens per step" in lesson01 and "temperature 0.5" in lesson01 and "<img" in lesson01
+    assert "Traceback" not in lesson00 + lesson01
+
+
+def test_search_index_is_built(html):
+    assert (html / "search.html").is_file() and (html / "searchindex.js").is_file()
