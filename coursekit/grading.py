@@ -3,6 +3,7 @@
 The course root holds nbgrader_config.py; `generate` writes student versions to release/,
 `autograde` grades a submitted notebook and returns its per-cell scores from the gradebook.
 """
+import os
 import shutil
 import subprocess
 import sys
@@ -19,7 +20,9 @@ def lessons(root):
 
 def nbgrader(root, *args):
     """Run an nbgrader command in the course root; a failure is a KitError with nbgrader's log."""
-    result = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=root,
+    # nbgrader runs the `alembic` command of its own environment to create the gradebook
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    result = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=root, env=env,
                             capture_output=True, text=True)
     if result.returncode != 0:
         raise KitError(f"nbgrader {' '.join(args)} failed:\n{result.stdout}{result.stderr}")

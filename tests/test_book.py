@@ -4,6 +4,8 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
+
 import pytest
 import yaml
 
@@ -25,7 +27,7 @@ def html(tmp_path_factory):
     """A cold build (no execution cache) into a temporary folder, exactly as `make book` runs it."""
     out = tmp_path_factory.mktemp("book")
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "jupyter_book", "build", str(KIT_ROOT), "-W", "-n",
+    result = subprocess.run([str(Path(sys.executable).parent / "jupyter-book"), "build", str(KIT_ROOT), "-W", "-n",
                              "--keep-going", "--path-output", str(out)], capture_output=True, text=True,
                             timeout=1500)
     print(f"cold book build: {time.perf_counter() - start:.0f} s")
