@@ -25,13 +25,14 @@ def stage_command(script, *args):
     return [sys.executable, str(KIT_ROOT / "solutions" / script), *map(str, args)]
 
 
-def run_stage(script, *args, timeout=600, **kwargs):
+def run_stage(script, *args, timeout=600, env=None, **kwargs):
     """Run a stage script to completion; returns the CompletedProcess (text output)."""
     return subprocess.run(stage_command(script, *args), capture_output=True, text=True,
-                          timeout=timeout, cwd=kwargs.pop("cwd", KIT_ROOT), env=kit_env(), **kwargs)
+                          timeout=timeout, cwd=kwargs.pop("cwd", KIT_ROOT), env=env or kit_env(),
+                          **kwargs)
 
 
-def kit_env():
+def kit_env(extra=None):
     env = dict(os.environ)
     env.setdefault("TIKTOKEN_CACHE_DIR", str(data.tiktoken_cache_dir()))
-    return env
+    return {**env, **(extra or {})}
