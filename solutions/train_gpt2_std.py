@@ -53,7 +53,7 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x):
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, heads, T, head_dim); "-1" heads so a tensor-parallel shard works unchanged
+        # (B, T, C) -> (B, heads, T, head_dim); "-1" heads: a tensor-parallel shard works unchanged
         q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         # flash attention where the hardware has it; never materialises the T x T matrix
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -221,9 +221,9 @@ def evaluate(model, val_loader, eval_steps, device, autocast):
         x, y = val_loader.next_batch()
         with autocast:
             _, loss = model(x.to(device), y.to(device))
-        total += loss.item()
+        total += loss.detach()
     model.train()
-    return total / eval_steps
+    return (total / eval_steps).item()
 
 
 def rng_state(device):
@@ -395,15 +395,16 @@ def main(argv=None):
     run_dir = Path(args.out)
     run_dir.mkdir(parents=True, exist_ok=True)
     start_step = resume(run_dir, model, optimizer, train_loader, device) if args.resume else 0
-    runs.write_json_atomic(run_dir / "config.json", {
+    run_config = {
         "stage": "std", "args": vars(args), "preset": preset.as_dict(), "model": asdict(config),
         "parameters": n_params, "grad_accum": grad_accum, "world_size": 1,
         "flops_per_token": flops_per_token, "peak_flops": peak, "peak_source": peak_source,
         "device": str(device), "device_name": perf.device_name(device), "precision": precision,
         "torch": torch.__version__,
-    })
+    }
+    runs.write_json_atomic(run_dir / "config.json", run_config)
 
-    stop = StopSignal()
+    stop, done = StopSignal(), start_step
     for step in range(start_step, args.max_steps):
         t0 = time.perf_counter()
         lr = learning_rate(step, args.lr, args.warmup_steps, args.max_steps)
@@ -438,14 +439,15 @@ def main(argv=None):
         print(line, flush=True)
         runs.append_metrics(run_dir, record)
 
-        if done % args.ckpt_interval == 0 or done == args.max_steps or stop.received:
+        stopping = stop.received is not None
+        if done % args.ckpt_interval == 0 or done == args.max_steps or stopping:
             save_checkpoint(run_dir, done, model, optimizer, train_loader, device)
-        if stop.received and done < args.max_steps:
+        if stopping and done < args.max_steps:
             print(f"{stop.received} received: checkpoint saved at step {done}; "
                   "rerun with --resume to continue", flush=True)
-            return 0
+            break
 
-    if args.sample_tokens:
+    if args.sample_tokens and done == args.max_steps:
         write_sample(model, run_dir, args, device)
     return 0
 

@@ -6,7 +6,7 @@ import time
 
 import jupytext
 import pytest
-from jupytext.compare import compare_notebooks
+from jupytext.compare import NotebookDifference, compare_notebooks
 
 from coursekit import KIT_ROOT, grading
 
@@ -28,6 +28,15 @@ def test_jupytext_pair_is_in_sync(lesson):
     ipynb = jupytext.read(notebook_path(lesson))
     py = jupytext.read(notebook_path(lesson).with_suffix(".py"))
     compare_notebooks(py, ipynb, fmt="py:percent")  # raises on any difference
+
+
+def test_the_sync_check_catches_an_edit_on_one_side():
+    lesson = LESSONS[0]
+    py = jupytext.read(notebook_path(lesson).with_suffix(".py"))
+    edited = jupytext.read(notebook_path(lesson))
+    edited.cells[-1].source += "\n- an extra key point written only in the notebook"
+    with pytest.raises(NotebookDifference):
+        compare_notebooks(py, edited, fmt="py:percent")
 
 
 @pytest.mark.parametrize("lesson", LESSONS)

@@ -268,7 +268,7 @@ for temperature in (0.5, 1.0):
 # %% [markdown]
 # After 60 steps on a laptop the model has learned common words, punctuation and the layout of
 # docstrings, not meaning. GPT-2 124M on FineWeb-Edu needs 19,073 steps of 524,288 tokens: about
-# 90 minutes on 8 H100s, days on one.
+# an hour and a half on eight A100s, half a day on one.
 #
 # ## Model FLOPs utilisation (MFU)
 #
