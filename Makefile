@@ -29,7 +29,7 @@ $(TOKENIZER): $(INSTALLED)
 	$(BIN)/python -m coursekit tokenizer fetch
 	touch $@
 
-$(BUILTIN_DATA): setup
+$(BUILTIN_DATA): $(INSTALLED) $(TOKENIZER)
 	$(BIN)/python -m coursekit data prepare --source builtin --out data/builtin
 
 # Execute every lesson (cached in _build/.jupyter_cache: unchanged lessons are not re-run) and
