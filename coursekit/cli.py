@@ -6,6 +6,9 @@
     data prepare --source fineweb-edu --out DIR --shards N [--sample-file F]
     presets                                    the model and batch sizes of each preset
     assignments [--root DIR]                   nbgrader student versions of every lesson
+    diffs build | check                        write / verify diffs/*.patch from solutions/
+    diffs start | status --lesson L [--file F] a lesson's working copy, hunk by hunk
+    diffs apply --lesson L --hunk N            apply one hunk to the working copy
 """
 import argparse
 import json
@@ -71,6 +74,13 @@ def build_parser():
 
     assignments = commands.add_parser("assignments", help="nbgrader student versions of the lessons")
     assignments.add_argument("--root", default=None, help="course root (default: the kit's checkout)")
+
+    diffs_cmd = commands.add_parser("diffs", help="the diffs between stages; a lesson's working copy")
+    diffs_cmd.add_argument("action", choices=["build", "check", "start", "status", "apply"])
+    diffs_cmd.add_argument("--lesson", help="start/status/apply: the lesson, e.g. 02-ddp")
+    diffs_cmd.add_argument("--file", help="status/apply: the working copy (default: "
+                                          "notebooks/<lesson>/train_gpt2.py)")
+    diffs_cmd.add_argument("--hunk", type=positive_int, help="apply: the hunk's number")
     return parser
 
 
@@ -115,15 +125,40 @@ def run_assignments(args):
     print(f"student versions of {len(names)} lessons in {release}: {', '.join(names)}")
 
 
+def run_diffs(args):
+    """build/check/start print and return 0 or 1; status returns 1 until every hunk is applied."""
+    from coursekit import diffs
+    if args.action == "build":
+        for name, (added, removed) in diffs.build().items():
+            print(f"diffs/{name}.patch: +{added} -{removed} lines")
+        return 0
+    if args.action == "check":
+        problems = diffs.check()
+        print("\n".join(problems) or f"{len(diffs.LADDER)} diffs match their stage scripts")
+        return 1 if problems else 0
+    if not args.lesson:
+        raise KitError(f"diffs {args.action} needs --lesson (one of "
+                       f"{', '.join(s.lesson for s in diffs.LADDER)})")
+    if args.action == "start":
+        print(f"working copy: {diffs.start_working_copy(args.lesson)}")
+        return 0
+    if args.action == "apply":
+        if args.hunk is None:
+            raise KitError("diffs apply needs --hunk N (the numbers are in `diffs status`)")
+        diffs.apply_hunk(args.lesson, args.hunk, args.file)
+    statuses = diffs.status(args.lesson, args.file)
+    print(diffs.report(args.lesson, statuses))
+    return 0 if all(s.state == "applied" for s in statuses) else 1
+
+
 COMMANDS = {"envcheck": run_envcheck, "tokenizer": run_tokenizer, "data": run_data,
-            "presets": run_presets, "assignments": run_assignments}
+            "presets": run_presets, "assignments": run_assignments, "diffs": run_diffs}
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
     try:
-        COMMANDS[args.command](args)
+        return COMMANDS[args.command](args) or 0
     except KitError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    return 0

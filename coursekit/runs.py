@@ -38,6 +38,13 @@ def read_json(path):
     return json.loads(Path(path).read_text())
 
 
+def start_run(run_dir, config, start_step):
+    """Write config.json and keep the metrics of steps up to ``start_step``: a fresh run starts an
+    empty log, a resumed one re-does the steps after its checkpoint."""
+    truncate_metrics(run_dir, start_step)
+    write_json_atomic(Path(run_dir) / "config.json", config)
+
+
 # --- metrics.jsonl ---------------------------------------------------------------------------
 
 def append_metrics(run_dir, record):

@@ -9,11 +9,10 @@ training loop. Every later stage (DDP, Lightning, FSDP, ...) is a small diff on 
 The words of the course, as this script uses them:
     sample      one sequence of T tokens; the model predicts each next token
     microbatch  B samples that go through one forward and backward pass together (memory-bound)
-    minibatch   the samples behind one optimiser step: microbatch x grad_accum x processes
+    minibatch   all the samples behind one optimiser step, on every device
     step        one optimiser update;   epoch: one pass over the training tokens
-    identity    tokens seen = steps x B x grad_accum x processes x T
+    identity    tokens seen = steps x minibatch x T
 """
-import builtins
 import gc
 import math
 import os
@@ -29,10 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from coursekit import KitError, data, perf, presets, runs
 from coursekit.cli import ArgumentParser, positive_float, positive_int
+
+STAGE = Path(__file__).stem.removeprefix("train_gpt2_")  # names the default run directory
 
 
 # ----------------------------------------------------------------------------------------------
@@ -155,7 +155,7 @@ class TokenShardLoader:
     def __init__(self, data_dir, split, B, T, rank=0, world_size=1):
         self.paths = sorted(Path(data_dir).glob(f"{split}_*.npy"))
         self.B, self.T = B, T
-        self.rank, self.world_size = rank, world_size  # rank r reads every world_size-th microbatch
+        self.rank, self.world_size = rank, world_size
         self.total_tokens = sum(len(np.load(p, mmap_mode="r")) for p in self.paths)
         self.load_state_dict({"shard": 0, "offset": 0, "epoch": 0})
 
@@ -167,15 +167,15 @@ class TokenShardLoader:
         return {"shard": self.shard, "offset": self.offset, "epoch": self.epoch}
 
     def next_batch(self):
-        n = self.B * self.T
-        if self.offset + n * self.world_size + 1 > len(self.tokens):  # shard used up: next one
+        n = self.B * self.T * self.world_size  # every rank's microbatch, side by side
+        if self.offset + n + 1 > len(self.tokens):  # this shard is used up: on to the next
             self.shard = (self.shard + 1) % len(self.paths)
             self.epoch += self.shard == 0
             self.load_state_dict({"shard": self.shard, "offset": 0, "epoch": self.epoch})
-        start = self.offset + self.rank * n
-        chunk = torch.from_numpy(self.tokens[start:start + n + 1].astype(np.int64))
-        self.offset += n * self.world_size
-        return chunk[:-1].view(self.B, self.T), chunk[1:].view(self.B, self.T)
+        chunk = torch.from_numpy(self.tokens[self.offset:self.offset + n + 1].astype(np.int64))
+        self.offset += n
+        x, y = chunk[:-1].view(-1, self.B, self.T), chunk[1:].view(-1, self.B, self.T)
+        return x[self.rank], y[self.rank]  # this rank's share
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,16 +203,16 @@ def learning_rate(step, max_lr, warmup_steps, max_steps, min_lr_ratio=0.1):
 # Device, precision, evaluation, checkpoints
 # ----------------------------------------------------------------------------------------------
 def init_distributed():
-    """Where this process is, as torchrun or Slurm's `srun python` says; nccl on GPUs, else gloo."""
+    """Where this process is, as torchrun or Slurm's `srun python` says."""
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
     world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if world_size > 1:  # srun: the batch file exports MASTER_ADDR and MASTER_PORT
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
-    if rank != 0:  # one log, not one per process
-        builtins.print = lambda *args, **kwargs: None
-    return rank, world_size, local_rank, backend
+    if rank != 0:  # one log, not one per process; rank 0 alone writes the run directory
+        sys.stdout = open(os.devnull, "w")
+    if world_size > 1:  # no backend named: gloo for CPU tensors, and nccl for GPU ones if any
+        dist.init_process_group(rank=rank, world_size=world_size)  # MASTER_ADDR/PORT from env
+        print(f"{world_size} processes, backends {dist.get_backend_config()}")
+    return rank, world_size, local_rank
 
 
 def all_reduce_mean(tensor):
@@ -240,19 +240,27 @@ def autocast_for(device):
     return nullcontext(), "fp32"
 
 
+def forward_backward(model, x, y, grad_accum, autocast):
+    """One microbatch: forward, then backward of its share of the minibatch's mean loss."""
+    with autocast:
+        _, loss = model(x, y)
+    loss = loss / grad_accum  # gradients of the minibatch mean, not a sum of means
+    loss.backward()
+    return loss.detach()
+
+
 @torch.no_grad()
 def evaluate(model, val_loader, eval_steps, device, autocast):
     model.eval()
     val_loader.load_state_dict({"shard": 0, "offset": 0, "epoch": 0})  # same batches every time
     total = 0.0
-    eval_steps = max(1, eval_steps // val_loader.world_size)  # a share of the same val tokens
     for _ in range(eval_steps):
         x, y = val_loader.next_batch()
         with autocast:
             _, loss = model(x.to(device), y.to(device))
         total += loss.detach()
     model.train()
-    return all_reduce_mean(total / eval_steps).item()
+    return (total / eval_steps).item()
 
 
 def rng_state(device):
@@ -277,7 +285,7 @@ def save_checkpoint(run_dir, step, model, optimizer, train_loader, device):
     })
 
 
-def resume(run_dir, model, optimizer, train_loader, device, master):
+def resume(run_dir, model, optimizer, train_loader, device):
     """Restore the newest checkpoint, if any; return the number of steps already done."""
     checkpoint = runs.load_checkpoint(run_dir)
     if checkpoint is None:
@@ -288,8 +296,6 @@ def resume(run_dir, model, optimizer, train_loader, device, master):
     optimizer.load_state_dict(state["optimizer"])
     train_loader.load_state_dict(state["train_loader"])
     set_rng_state(state["rng"], device)
-    if master:
-        runs.truncate_metrics(run_dir, step)  # steps after the checkpoint are done again
     print(f"resumed from {runs.latest_checkpoint(run_dir)} at step {step}")
     return step
 
@@ -315,7 +321,7 @@ def parse_args(argv=None):
     parser.add_argument("--preset", choices=list(presets.PRESETS), default=None,
                         help="model and batch sizes (default: gpt2-124m on a GPU, tiny on a CPU)")
     parser.add_argument("--data", help="prepared data directory (default: the preset's)")
-    parser.add_argument("--out", help="run directory (default: runs/std-<preset>)")
+    parser.add_argument("--out", help=f"run directory (default: runs/{STAGE}-<preset>)")
     parser.add_argument("--max-steps", type=positive_int, help="optimiser steps (schedule length)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the run directory's newest checkpoint, if it has one")
@@ -353,7 +359,7 @@ def check_args(args):
             setattr(args, name, getattr(preset, name))
     if args.warmup_steps is None:  # a short run warms up for a tenth of its steps at most
         args.warmup_steps = min(preset.warmup_steps, args.max_steps // 10)
-    args.out = args.out or f"runs/std-{preset.name}"
+    args.out = args.out or f"runs/{STAGE}-{preset.name}"
     if args.seq_len > preset.seq_len:
         raise KitError(f"--seq-len {args.seq_len} is longer than the {preset.name} model's "
                        f"context of {preset.seq_len} tokens")
@@ -386,9 +392,8 @@ def check_args(args):
 # ----------------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
-    rank, world_size, local_rank, backend = init_distributed()
-    master = rank == 0  # rank 0 logs, checkpoints and samples
-    torch.manual_seed(args.seed)  # the same seed on every rank: the same initial model
+    rank, world_size, local_rank = init_distributed()
+    torch.manual_seed(args.seed)
     device = pick_device(args.device, local_rank)
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any matmul left in fp32
@@ -403,47 +408,43 @@ def main(argv=None):
     if args.compile:
         model.compile()  # in place: state_dict keys stay the same as without compile
     # DDP averages gradients across processes, bucket by bucket while backward is still running
-    ddp_model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None) \
-        if world_size > 1 else model
+    ddp_model = nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
 
     B, T = args.micro_batch, args.seq_len
     if args.batch_tokens % (B * T * world_size):
         raise KitError(f"--batch-tokens {args.batch_tokens} is not a multiple of B x T x processes")
     grad_accum = args.batch_tokens // (B * T * world_size)
     train_loader = TokenShardLoader(args.data, "train", B, T, rank, world_size)
-    val_loader = TokenShardLoader(args.data, "val", B, T, rank, world_size)
+    val_loader = TokenShardLoader(args.data, "val", B, T)
     optimizer = configure_optimizer(model, args.lr, preset.weight_decay, device)
 
     flops_per_token = perf.flops_per_token(config.n_layer, config.n_embd, T, config.vocab_size)
     peak, peak_source = perf.peak_flops(device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"{world_size} process(es) | {backend} backend")
     print(f"device {device} ({perf.device_name(device)}) | {precision} | "
           f"compile {'on' if args.compile else 'off'} | peak {peak / 1e12:.2f} TFLOP/s "
           f"({peak_source})")
     print(f"model {preset.name}: {n_params:,} parameters, {config.n_layer} layers, "
           f"{config.n_head} heads, {config.n_embd} wide, context {config.block_size}")
-    print(f"sample = {T} tokens | microbatch = {B} samples | grad_accum = {grad_accum} | processes "
-          f"= {world_size} | minibatch = {B * grad_accum * world_size} samples = "
-          f"{args.batch_tokens:,} tokens per step")
-    print(f"{args.max_steps:,} steps x {B} x {grad_accum} x {world_size} x {T} = "
+    print(f"sample = {T} tokens | microbatch = {B} samples | grad_accum = {grad_accum} | "
+          f"minibatch = {args.batch_tokens // T} samples = {args.batch_tokens:,} tokens per step")
+    print(f"{args.max_steps:,} steps x {args.batch_tokens:,} tokens = "
           f"{args.max_steps * args.batch_tokens:,} tokens = "
           f"{args.max_steps * args.batch_tokens / train_loader.total_tokens:.2f} epochs of "
           f"{train_loader.total_tokens:,} training tokens")
 
     run_dir = Path(args.out)
     run_dir.mkdir(parents=True, exist_ok=True)
-    start_step = resume(run_dir, model, optimizer, train_loader, device, master) \
-        if args.resume else 0
+    start_step = resume(run_dir, model, optimizer, train_loader, device) if args.resume else 0
     run_config = {
-        "stage": "ddp", "args": vars(args), "preset": preset.as_dict(), "model": asdict(config),
+        "stage": STAGE, "args": vars(args), "preset": preset.as_dict(), "model": asdict(config),
         "parameters": n_params, "grad_accum": grad_accum, "world_size": world_size,
         "flops_per_token": flops_per_token, "peak_flops": peak, "peak_source": peak_source,
         "device": str(device), "device_name": perf.device_name(device), "precision": precision,
         "torch": torch.__version__,
     }
-    if master:
-        runs.write_json_atomic(run_dir / "config.json", run_config)
+    if rank == 0:
+        runs.start_run(run_dir, run_config, start_step)
 
     stop, done = StopSignal(), start_step
     for step in range(start_step, args.max_steps):
@@ -454,18 +455,14 @@ def main(argv=None):
         optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=device)
         for micro in range(grad_accum):
-            x, y = train_loader.next_batch()
-            # all-reduce the gradients after the last microbatch only; before, just accumulate
-            last = micro == grad_accum - 1
-            with nullcontext() if last or world_size == 1 else ddp_model.no_sync():
-                with autocast:
-                    _, loss = ddp_model(x.to(device), y.to(device))
-                loss = loss / grad_accum  # gradients of the minibatch mean, not a sum of means
-                loss_sum += loss.detach()
-                loss.backward()
+            x, y = [t.to(device) for t in train_loader.next_batch()]
+            # all-reduce the gradients after the last microbatch only; before it, just accumulate
+            accumulate = micro < grad_accum - 1 and world_size > 1
+            with ddp_model.no_sync() if accumulate else nullcontext():
+                loss_sum += forward_backward(ddp_model, x, y, grad_accum, autocast)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), preset.grad_clip)
         optimizer.step()
-        loss_value = all_reduce_mean(loss_sum).item()  # the loss of the whole minibatch
+        loss_value = all_reduce_mean(loss_sum).item()  # the whole minibatch's loss; waits too
         dt = time.perf_counter() - t0
 
         done = step + 1
@@ -481,22 +478,21 @@ def main(argv=None):
             record["val_loss"] = evaluate(model, val_loader, args.eval_steps, device, autocast)
             line += f" | val {record['val_loss']:.4f}"
         print(line, flush=True)
-        if master:
+        if rank == 0:
             runs.append_metrics(run_dir, record)
 
-        stopping = torch.tensor(float(stop.received is not None))
-        if dist.is_initialized():  # Slurm signals every task, not at once: all stop together
-            dist.all_reduce(stopping, op=dist.ReduceOp.MAX)
-        if master and (done % args.ckpt_interval == 0 or done == args.max_steps or stopping):
+        # Slurm signals each task at its own moment: stop together once any rank has been told
+        stopping = all_reduce_mean(torch.tensor(float(stop.received is not None))).item() > 0
+        if rank == 0 and (done % args.ckpt_interval == 0 or done == args.max_steps or stopping):
             save_checkpoint(run_dir, done, model, optimizer, train_loader, device)
         if stopping and done < args.max_steps:
             print(f"{stop.received} received: checkpoint saved at step {done}; "
                   "rerun with --resume to continue", flush=True)
             break
 
-    if master and args.sample_tokens and done == args.max_steps:
+    if rank == 0 and args.sample_tokens and done == args.max_steps:
         write_sample(model, run_dir, args, device)
-    if world_size > 1:  # free DDP's reducer before leaving: avoids a hang at exit (compile + gloo)
+    if world_size > 1:  # free DDP's reducer before the group: avoids a hang at exit (compile+gloo)
         dist.barrier()
         del ddp_model
         gc.collect()

@@ -9,9 +9,9 @@ training loop. Every later stage (DDP, Lightning, FSDP, ...) is a small diff on 
 The words of the course, as this script uses them:
     sample      one sequence of T tokens; the model predicts each next token
     microbatch  B samples that go through one forward and backward pass together (memory-bound)
-    minibatch   the samples behind one optimiser step: microbatch x grad_accum
+    minibatch   all the samples behind one optimiser step, on every device
     step        one optimiser update;   epoch: one pass over the training tokens
-    identity    tokens seen = steps x B x grad_accum x T
+    identity    tokens seen = steps x minibatch x T
 """
 import math
 import signal
@@ -28,6 +28,8 @@ import torch.nn.functional as F
 
 from coursekit import KitError, data, perf, presets, runs
 from coursekit.cli import ArgumentParser, positive_float, positive_int
+
+STAGE = Path(__file__).stem.removeprefix("train_gpt2_")  # names the default run directory
 
 
 # ----------------------------------------------------------------------------------------------
@@ -212,6 +214,15 @@ def autocast_for(device):
     return nullcontext(), "fp32"
 
 
+def forward_backward(model, x, y, grad_accum, autocast):
+    """One microbatch: forward, then backward of its share of the minibatch's mean loss."""
+    with autocast:
+        _, loss = model(x, y)
+    loss = loss / grad_accum  # gradients of the minibatch mean, not a sum of means
+    loss.backward()
+    return loss.detach()
+
+
 @torch.no_grad()
 def evaluate(model, val_loader, eval_steps, device, autocast):
     model.eval()
@@ -259,7 +270,6 @@ def resume(run_dir, model, optimizer, train_loader, device):
     optimizer.load_state_dict(state["optimizer"])
     train_loader.load_state_dict(state["train_loader"])
     set_rng_state(state["rng"], device)
-    runs.truncate_metrics(run_dir, step)  # steps after the checkpoint are done again
     print(f"resumed from {runs.latest_checkpoint(run_dir)} at step {step}")
     return step
 
@@ -285,7 +295,7 @@ def parse_args(argv=None):
     parser.add_argument("--preset", choices=list(presets.PRESETS), default=None,
                         help="model and batch sizes (default: gpt2-124m on a GPU, tiny on a CPU)")
     parser.add_argument("--data", help="prepared data directory (default: the preset's)")
-    parser.add_argument("--out", help="run directory (default: runs/std-<preset>)")
+    parser.add_argument("--out", help=f"run directory (default: runs/{STAGE}-<preset>)")
     parser.add_argument("--max-steps", type=positive_int, help="optimiser steps (schedule length)")
     parser.add_argument("--resume", action="store_true",
                         help="continue from the run directory's newest checkpoint, if it has one")
@@ -323,7 +333,7 @@ def check_args(args):
             setattr(args, name, getattr(preset, name))
     if args.warmup_steps is None:  # a short run warms up for a tenth of its steps at most
         args.warmup_steps = min(preset.warmup_steps, args.max_steps // 10)
-    args.out = args.out or f"runs/std-{preset.name}"
+    args.out = args.out or f"runs/{STAGE}-{preset.name}"
     if args.seq_len > preset.seq_len:
         raise KitError(f"--seq-len {args.seq_len} is longer than the {preset.name} model's "
                        f"context of {preset.seq_len} tokens")
@@ -386,8 +396,8 @@ def main(argv=None):
     print(f"model {preset.name}: {n_params:,} parameters, {config.n_layer} layers, "
           f"{config.n_head} heads, {config.n_embd} wide, context {config.block_size}")
     print(f"sample = {T} tokens | microbatch = {B} samples | grad_accum = {grad_accum} | "
-          f"minibatch = {B * grad_accum} samples = {args.batch_tokens:,} tokens per step")
-    print(f"{args.max_steps:,} steps x {B} x {grad_accum} x {T} = "
+          f"minibatch = {args.batch_tokens // T} samples = {args.batch_tokens:,} tokens per step")
+    print(f"{args.max_steps:,} steps x {args.batch_tokens:,} tokens = "
           f"{args.max_steps * args.batch_tokens:,} tokens = "
           f"{args.max_steps * args.batch_tokens / train_loader.total_tokens:.2f} epochs of "
           f"{train_loader.total_tokens:,} training tokens")
@@ -396,13 +406,13 @@ def main(argv=None):
     run_dir.mkdir(parents=True, exist_ok=True)
     start_step = resume(run_dir, model, optimizer, train_loader, device) if args.resume else 0
     run_config = {
-        "stage": "std", "args": vars(args), "preset": preset.as_dict(), "model": asdict(config),
+        "stage": STAGE, "args": vars(args), "preset": preset.as_dict(), "model": asdict(config),
         "parameters": n_params, "grad_accum": grad_accum, "world_size": 1,
         "flops_per_token": flops_per_token, "peak_flops": peak, "peak_source": peak_source,
         "device": str(device), "device_name": perf.device_name(device), "precision": precision,
         "torch": torch.__version__,
     }
-    runs.write_json_atomic(run_dir / "config.json", run_config)
+    runs.start_run(run_dir, run_config, start_step)
 
     stop, done = StopSignal(), start_step
     for step in range(start_step, args.max_steps):
@@ -412,13 +422,9 @@ def main(argv=None):
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=device)
-        for _ in range(grad_accum):
-            x, y = train_loader.next_batch()
-            with autocast:
-                _, loss = model(x.to(device), y.to(device))
-            loss = loss / grad_accum  # gradients of the minibatch mean, not a sum of means
-            loss_sum += loss.detach()
-            loss.backward()
+        for micro in range(grad_accum):
+            x, y = [t.to(device) for t in train_loader.next_batch()]
+            loss_sum += forward_backward(model, x, y, grad_accum, autocast)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), preset.grad_clip)
         optimizer.step()
         loss_value = loss_sum.item()  # waits for the device: the step time below is real

@@ -84,3 +84,13 @@ def test_json_is_written_atomically(tmp_path):
     runs.write_json_atomic(tmp_path / "config.json", {"a": 1})
     assert runs.read_json(tmp_path / "config.json") == {"a": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["config.json"]
+
+
+def test_start_run_keeps_the_metrics_up_to_the_resumed_step(tmp_path):
+    for step in range(1, 6):
+        runs.append_metrics(tmp_path, {"step": step})
+    runs.start_run(tmp_path, {"stage": "std"}, 2)
+    assert [r["step"] for r in runs.read_metrics(tmp_path)] == [1, 2]
+    assert runs.read_json(tmp_path / "config.json") == {"stage": "std"}
+    runs.start_run(tmp_path, {"stage": "std"}, 0)  # a fresh run in the same directory
+    assert runs.read_metrics(tmp_path) == []

@@ -55,9 +55,10 @@ def test_terminology_identity_is_printed_and_recorded(tiny_run):
     config = runs.read_json(out / "config.json")
     args = config["args"]
     assert args["micro_batch"] * config["grad_accum"] * args["seq_len"] == args["batch_tokens"]
-    identity = (f"{args['max_steps']:,} steps x {args['micro_batch']} x {config['grad_accum']} x "
-                f"{args['seq_len']} = {args['max_steps'] * args['batch_tokens']:,} tokens")
-    assert identity in stdout
+    minibatch = args["micro_batch"] * config["grad_accum"]
+    assert f"minibatch = {minibatch} samples = {args['batch_tokens']:,} tokens per step" in stdout
+    assert (f"{args['max_steps']:,} steps x {args['batch_tokens']:,} tokens = "
+            f"{args['max_steps'] * args['batch_tokens']:,} tokens") in stdout
     assert "microbatch = 4 samples | grad_accum = 2" in stdout
     assert (out / "sample.txt").read_text().startswith("The")
 

@@ -16,7 +16,7 @@ spec = importlib.util.spec_from_file_location("ddp_stage", Path(sys.argv[1]))
 stage = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(stage)
 
-rank, world_size, _, _ = stage.init_distributed()
+rank, world_size, _ = stage.init_distributed()
 config = stage.GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32)
 tokens = torch.randint(0, 256, (2 * world_size, 17), generator=torch.Generator().manual_seed(1))
 x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
