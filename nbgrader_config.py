@@ -13,5 +13,5 @@ c.CourseDirectory.autograded_directory = "autograded"
 c.CourseDirectory.feedback_directory = "feedback"
 # The jupytext pair of a lesson holds its solutions: only the notebook is released.
 c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedback", "runs",
-                            "[0-9][0-9]-*.py"]
+                            "[0-9][0-9]-*.py", "train_gpt2.py"]
 c.ExecutePreprocessor.timeout = 600

@@ -98,6 +98,7 @@ class Hunk:
     old: list  # the lines the hunk expects (context and removed), without newlines
     new: list  # the lines it leaves (context and added)
     old_start: int
+    text: str  # the hunk as the patch shows it, header included
 
 
 def parse_patch(text):
@@ -106,8 +107,9 @@ def parse_patch(text):
     for line in text.splitlines():
         match = HUNK_HEADER.match(line)
         if match:
-            hunks.append(Hunk(len(hunks) + 1, line, [], [], int(match.group(1))))
+            hunks.append(Hunk(len(hunks) + 1, line, [], [], int(match.group(1)), line))
         elif hunks and line[:1] in (" ", "-", "+") and not line.startswith(("---", "+++")):
+            hunks[-1].text += "\n" + line
             if line[0] in " -":
                 hunks[-1].old.append(line[1:])
             if line[0] in " +":
@@ -205,6 +207,11 @@ def find_block(lines, block):
     return -1
 
 
+def hunks(lesson, root=KIT_ROOT):
+    """The hunks of a lesson's patch, to read one at a time."""
+    return parse_patch(patch_path(step_for_lesson(lesson), root).read_text())
+
+
 @dataclass
 class HunkStatus:
     hunk: Hunk
@@ -221,9 +228,8 @@ def status(lesson, path=None, root=KIT_ROOT):
                        f"`python -m coursekit diffs start --lesson {lesson}`")
     lines = path.read_text().splitlines()
     target = script_path(step.target, root).read_text().splitlines()
-    hunks = parse_patch(patch_path(step, root).read_text())
     result = []
-    for hunk in hunks:
+    for hunk in hunks(lesson, root):
         if find_block(lines, hunk.new) >= 0:
             result.append(HunkStatus(hunk, "applied", []))
         elif find_block(lines, hunk.old) >= 0:

@@ -174,6 +174,9 @@ class TokenShardLoader:
         while True:
             yield self.next_batch()
 
+    def __len__(self):  # microbatches per rank in an epoch; with a length, Lightning does not
+        return self.total_tokens // (self.B * self.T * self.world_size)  # read ahead of the step
+
     def next_batch(self):
         n = self.B * self.T * self.world_size  # every rank's microbatch, side by side
         if self.offset + n + 1 > len(self.tokens):  # this shard is used up: on to the next
@@ -283,7 +286,8 @@ class LitGPT(L.LightningModule):
 
     def on_validation_epoch_end(self):
         if self.pending is not None:
-            self.pending["val_loss"] = self.trainer.strategy.reduce(self.val_sum, "mean").item()
+            val_loss = self.trainer.strategy.reduce(self.val_sum, reduce_op="mean")
+            self.pending["val_loss"] = val_loss.item()
             self.log_step(self.pending)
 
     def on_train_end(self):
