@@ -1,0 +1,96 @@
+"""The lit stage: Lightning runs the same model and data as std, on 2 CPU devices, and resumes
+from its own checkpoint exactly where an uninterrupted run would be."""
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import kit_env, run_stage, stage_command
+from coursekit import runs
+
+pytestmark = pytest.mark.stages
+SCRIPT = "train_gpt2_lit.py"
+STEPS = ["--preset", "tiny", "--max-steps", "20", "--eval-interval", "10", "--ckpt-interval", "10",
+         "--sample-tokens", "0"]
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # as torchrun sets it: runs repeat bit for bit
+
+
+def run_lit(*args, **kwargs):
+    result = run_stage(SCRIPT, *args, env=kit_env(ONE_THREAD), **kwargs)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def std_metrics(builtin_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("std20")
+    result = run_stage("train_gpt2_std.py", *STEPS, "--data", builtin_data, "--out", out)
+    assert result.returncode == 0, result.stderr
+    return runs.read_metrics(out)
+
+
+@pytest.fixture(scope="module")
+def two_device_run(builtin_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("lit20")
+    result = run_lit(*STEPS, "--devices", "2", "--data", builtin_data, "--out", out)
+    return out, result.stdout
+
+
+def test_two_devices_follow_std_at_the_same_global_batch(two_device_run, std_metrics):
+    out, stdout = two_device_run
+    assert "2 process(es) | DDPStrategy | device cpu" in stdout
+    assert stdout.count("step 1/20 ") == 1  # only global rank 0 prints
+    config = runs.read_json(out / "config.json")
+    assert (config["stage"], config["world_size"], config["grad_accum"]) == ("lit", 2, 1)
+    metrics = runs.read_metrics(out)
+    assert [r["step"] for r in metrics] == list(range(1, 21))
+    for lit, std in zip(metrics, std_metrics, strict=True):
+        assert lit["loss"] == pytest.approx(std["loss"], abs=1e-4)
+        assert lit["lr"] == pytest.approx(std["lr"], rel=1e-9)
+    assert [r["step"] for r in metrics if "val_loss" in r] == [10, 20]
+    assert metrics[-1]["val_loss"] == pytest.approx(std_metrics[-1]["val_loss"], abs=1e-4)
+    assert (out / "ckpt" / "last.ckpt").resolve().name == "step_00000020.ckpt"
+
+
+def test_one_device_has_the_std_first_loss(builtin_data, tmp_path, std_metrics):
+    run_lit(*STEPS[:2], "--max-steps", "1", "--sample-tokens", "0", "--data", builtin_data,
+            "--out", tmp_path)
+    assert runs.read_metrics(tmp_path)[0]["loss"] == pytest.approx(std_metrics[0]["loss"], abs=1e-5)
+
+
+def test_killed_run_resumes_from_its_checkpoint_like_an_uninterrupted_one(builtin_data, tmp_path,
+                                                                          two_device_run):
+    reference, _ = two_device_run
+    command = stage_command(SCRIPT, *STEPS, "--devices", "2", "--data", builtin_data,
+                            "--out", tmp_path)
+    # its own session: the kill takes Lightning's second process with it, as a node failure would
+    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env=kit_env(ONE_THREAD), start_new_session=True)
+    deadline = time.time() + 300
+    while len(runs.read_metrics(tmp_path)) < 13:
+        assert job.poll() is None and time.time() < deadline
+        time.sleep(0.1)
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait()
+    assert (tmp_path / "ckpt" / "last.ckpt").resolve().name == "step_00000010.ckpt"
+
+    resumed = run_lit(*command[2:], "--resume")
+    assert resumed.stdout.count("step 11/20 ") == 1 and "step 10/20 " not in resumed.stdout
+    got, expected = runs.read_metrics(tmp_path), runs.read_metrics(reference)
+    assert [(r["step"], r["loss"], r.get("val_loss")) for r in got] == \
+           [(r["step"], r["loss"], r.get("val_loss")) for r in expected]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--strategy", "deepspeed_stage_2"], "--strategy deepspeed_stage_2 needs DeepSpeed: pip install deepspeed"),
+    (["--strategy", "fsdp", "--devices", "2"], "--strategy fsdp --devices 2: The strategy `fsdp` requires a GPU"),
+    (["--devices", "0"], "argument --devices: expected a positive integer, got 0"),
+    (["--strategy", "horovod"], "argument --strategy: invalid choice: 'horovod'"),
+    (["--devices", "3"], "--batch-tokens 1024 is not a multiple of micro-batch x seq-len x processes = 4 x 128 x 3"),
+], ids=["deepspeed", "fsdp-on-cpu", "devices-0", "strategy", "indivisible"])
+def test_bad_choices_get_one_line(builtin_data, tmp_path, args, message):
+    result = run_stage(SCRIPT, "--preset", "tiny", "--data", builtin_data, "--out", tmp_path, *args)
+    assert result.returncode != 0
+    assert message in result.stderr and result.stderr.strip().count("\n") == 0, result.stderr
