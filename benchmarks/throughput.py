@@ -40,17 +40,20 @@ def machine():
     }
 
 
-def measure(preset, data_dir, steps, warmup, compile_):
-    with tempfile.TemporaryDirectory() as out:
-        command = [sys.executable, str(KIT_ROOT / "solutions" / "train_gpt2_std.py"),
-                   "--preset", preset, "--data", str(data_dir), "--out", out,
-                   "--max-steps", str(steps), "--sample-tokens", "0",
-                   "--eval-interval", str(steps), "--ckpt-interval", str(steps)]
-        start = time.perf_counter()
-        subprocess.run(command + (["--compile"] if compile_ else []), check=True,
-                       stdout=subprocess.DEVNULL)
-        wall = time.perf_counter() - start
-        metrics = runs.read_metrics(out)
+def stage_command(script, preset, data_dir, out, steps):
+    """The stage script's command line for a short timed run that writes nothing but metrics."""
+    return [str(KIT_ROOT / "solutions" / script), "--preset", preset, "--data", str(data_dir),
+            "--out", str(out), "--max-steps", str(steps), "--sample-tokens", "0",
+            "--eval-interval", str(steps), "--ckpt-interval", str(steps)]
+
+
+def timed_run(launcher, command, out, warmup, env=None):
+    """Run launcher + command, then summarise its metrics.jsonl after the warm-up steps."""
+    start = time.perf_counter()
+    subprocess.run(launcher + command, check=True, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL, env=env)
+    wall = time.perf_counter() - start
+    metrics = runs.read_metrics(out)
     timed = [r for r in metrics if r["step"] > warmup]
     return {
         "median_tok_per_s": statistics.median(r["tok_per_s"] for r in timed),
@@ -60,6 +63,13 @@ def measure(preset, data_dir, steps, warmup, compile_):
         "steps_timed": len(timed),
         "wall_s": wall,
     }
+
+
+def measure(preset, data_dir, steps, warmup, compile_):
+    with tempfile.TemporaryDirectory() as out:
+        command = stage_command("train_gpt2_std.py", preset, data_dir, out, steps)
+        return timed_run([sys.executable], command + (["--compile"] if compile_ else []), out,
+                         warmup)
 
 
 def main():

@@ -344,6 +344,14 @@ def make_trainer(args, grad_accum):
         raise KitError(f"--strategy {args.strategy} --devices {args.devices}: {err}") from None
 
 
+def checkpoint_to_resume(run_dir):
+    """The newer of the last periodic checkpoint and the one Lightning saves when Slurm pre-empts
+    the job (hpc_ckpt_N.ckpt in the run directory), or None."""
+    found = [p for p in [run_dir / "ckpt" / "last.ckpt", *run_dir.glob("hpc_ckpt_*.ckpt")]
+             if p.exists()]
+    return str(max(found, key=lambda p: p.stat().st_mtime)) if found else None
+
+
 # ----------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------
@@ -425,7 +433,7 @@ def check_args(args):
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise KitError(f"--out {out} is a file, not a run directory")
-    if (out / "ckpt" / "last.ckpt").exists() and not args.resume:
+    if checkpoint_to_resume(out) is not None and not args.resume:
         raise KitError(f"{out} already holds a checkpoint: pass --resume to continue that run, "
                        "or choose another --out")
 
@@ -470,8 +478,9 @@ def main(argv=None):
               f"{args.batch_tokens:,} tokens per step")
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    # "last": Lightning restores weights, optimiser, schedule, loop counters and the data position
-    trainer.fit(module, ckpt_path="last" if args.resume else None, weights_only=True)
+    # Lightning restores weights, optimiser, schedule, loop counters and the data position
+    resume_from = checkpoint_to_resume(Path(args.out)) if args.resume else None
+    trainer.fit(module, ckpt_path=resume_from, weights_only=True)
     if trainer.is_global_zero and args.sample_tokens and module.global_step == args.max_steps:
         write_sample(module.gpt, Path(args.out), args, module.device)
     return 0

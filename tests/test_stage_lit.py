@@ -94,3 +94,10 @@ def test_bad_choices_get_one_line(builtin_data, tmp_path, args, message):
     result = run_stage(SCRIPT, "--preset", "tiny", "--data", builtin_data, "--out", tmp_path, *args)
     assert result.returncode != 0
     assert message in result.stderr and result.stderr.strip().count("\n") == 0, result.stderr
+
+
+def test_existing_run_is_not_overwritten_without_resume(two_device_run, builtin_data):
+    out, _ = two_device_run
+    result = run_stage(SCRIPT, "--preset", "tiny", "--data", builtin_data, "--out", out)
+    assert result.returncode == 2
+    assert f"{out} already holds a checkpoint: pass --resume" in result.stderr
