@@ -53,4 +53,4 @@ assignments: setup
 
 clean:
 	rm -rf $(VENV) .cache data runs release submitted autograded feedback gradebook.db _build \
-	  .pytest_cache notebooks/*/runs
+	  .pytest_cache notebooks/*/runs notebooks/*/train_gpt2.py

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coursekit import KIT_ROOT, KitError
+from coursekit.stages import script_path
 
 
 @dataclass(frozen=True)
@@ -33,10 +34,6 @@ LADDER = [Step("std", "ddp", "02-ddp"), Step("ddp", "lit", "03-lightning")]
 CONTEXT_LINES = 3
 HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 DEFINITION = re.compile(r"^\s*(def|class) ")
-
-
-def script_path(stage, root=KIT_ROOT):
-    return Path(root) / "solutions" / f"train_gpt2_{stage}.py"
 
 
 def patch_path(step, root=KIT_ROOT):

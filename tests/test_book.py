@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from coursekit import KIT_ROOT
+from coursekit import KIT_ROOT, diffs
 
 pytestmark = [pytest.mark.book, pytest.mark.slow]
 
@@ -49,12 +49,32 @@ def test_every_toc_entry_is_a_page_reachable_from_the_index(html):
     assert pages <= reachable
 
 
-def test_lessons_are_executed_with_outputs(html):
-    lesson00 = (html / "notebooks/00-gpus-and-hpc/00-gpus-and-hpc.html").read_text()
-    assert "TFLOP/s" in lesson00 and "<img" in lesson00  # benchmark printout and plots
-    lesson01 = (html / "notebooks/01-single-gpu-gpt/01-single-gpu-gpt.html").read_text()
-    assert "tokens per step" in lesson01 and "temperature 0.5" in lesson01 and "<img" in lesson01
-    assert "Traceback" not in lesson00 + lesson01
+# what only an executed lesson shows: its printed results, and plots as images
+EXECUTED_OUTPUTS = {
+    "00-gpus-and-hpc": ["TFLOP/s"],
+    "01-single-gpu-gpt": ["tokens per step", "temperature 0.5"],
+    "02-ddp": ["max |all-reduced - whole batch| =", "strong scaling: speedup",
+               "final validation loss"],
+    "03-lightning": ["ddp_notebook:", "resumed run identical to the uninterrupted one: True"],
+}
+
+
+@pytest.mark.parametrize("lesson", EXECUTED_OUTPUTS)
+def test_lessons_are_executed_with_outputs(html, lesson):
+    page = (html / "notebooks" / lesson / f"{lesson}.html").read_text()
+    for text in EXECUTED_OUTPUTS[lesson]:
+        assert html_text(text) in page
+    assert "<img" in page and "Traceback" not in page
+
+
+@pytest.mark.parametrize("lesson", [step.lesson for step in diffs.LADDER])
+def test_diff_lessons_show_every_hunk_highlighted(html, lesson):
+    page = (html / "notebooks" / lesson / f"{lesson}.html").read_text()
+    assert page.count('class="highlight-diff') == len(diffs.hunks(lesson))
+
+
+def html_text(text):
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def test_search_index_is_built(html):

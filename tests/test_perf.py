@@ -1,26 +1,17 @@
 """FLOPs per token against PyTorch's own FLOP counter; peak tables; MFU arithmetic."""
-import importlib.util
-
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from coursekit import KIT_ROOT, perf
+from coursekit import perf, stages
 
 pytestmark = pytest.mark.unit
 
 
-def load_stage(name):
-    spec = importlib.util.spec_from_file_location(name, KIT_ROOT / "solutions" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("n_layer, n_embd, seq_len, vocab", [(2, 32, 64, 512), (3, 48, 16, 1000)])
 def test_flops_per_token_matches_pytorchs_flop_counter(n_layer, n_embd, seq_len, vocab):
-    std = load_stage("train_gpt2_std")
+    std = stages.load("std")
     model = std.GPT(std.GPTConfig(vocab_size=vocab, block_size=seq_len, n_layer=n_layer,
                                   n_head=4, n_embd=n_embd))
     x = torch.randint(0, vocab, (2, seq_len))

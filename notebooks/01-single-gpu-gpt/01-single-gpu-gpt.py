@@ -122,11 +122,9 @@ print(f"tiny preset: B={tiny.micro_batch}, T={tiny.seq_len}, grad_accum={accum} 
 #   matrix reads tokens in and writes them out.
 
 # %%
-import importlib.util
+from coursekit import stages
 
-spec = importlib.util.spec_from_file_location("train_gpt2_std", KIT_ROOT / "solutions" / "train_gpt2_std.py")
-std = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(std)
+std = stages.load("std")  # solutions/train_gpt2_std.py, imported as a module
 
 torch.manual_seed(1337)
 config = std.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len, n_layer=tiny.n_layer,

@@ -1,0 +1,23 @@
+"""The stage scripts of solutions/ (train_gpt2_<stage>.py), found by name and imported as modules,
+so that lessons and tests use their model, data loader and schedule instead of copies of them."""
+import importlib.util
+from pathlib import Path
+
+from coursekit import KIT_ROOT, KitError
+
+
+def script_path(stage, root=KIT_ROOT):
+    return Path(root) / "solutions" / f"train_gpt2_{stage}.py"
+
+
+def load(stage, root=KIT_ROOT):
+    """Import solutions/train_gpt2_<stage>.py as the module ``train_gpt2_<stage>``."""
+    path = script_path(stage, root)
+    if not path.exists():
+        stages = sorted(p.stem.removeprefix("train_gpt2_")
+                        for p in (Path(root) / "solutions").glob("train_gpt2_*.py"))
+        raise KitError(f"no stage {stage!r}: stages in solutions/ are {', '.join(stages)}")
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

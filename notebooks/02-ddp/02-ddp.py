@@ -1,0 +1,500 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 02 · Data parallelism with DDP
+#
+# **Objectives.** After this lesson you can
+# - explain why averaging the gradients of $N$ processes gives the gradient of the global batch,
+#   and what DistributedDataParallel (DDP) overlaps with the backward pass;
+# - name a process's rank, local rank and world size as torchrun and Slurm set them;
+# - split the data across ranks so that $N$ processes read what one process would have read;
+# - turn the single-device script into the DDP script hunk by hunk, and check your copy;
+# - launch `torchrun` from a notebook and compare 1 and $N$ processes at the same global batch;
+# - compute speedup and efficiency for strong and weak scaling from a run's own tokens/s;
+# - scale the learning rate with the batch, with warm-up, and say why large batches can
+#   generalise worse.
+#
+# **Prerequisites.** Lessons 00 and 01: the stage script `train_gpt2_std.py`, tokens per step,
+# speedup and efficiency.
+#
+# **Time.** 75 minutes.
+
+# %%
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+from IPython.display import Markdown, display
+
+from coursekit import KIT_ROOT, data, diffs, presets, runs, stages
+
+DATA = KIT_ROOT / "data" / "builtin"
+if not (DATA / "meta.json").exists():  # the offline corpus: built in seconds, once
+    data.prepare_builtin(DATA)
+std, ddp = stages.load("std"), stages.load("ddp")  # solutions/train_gpt2_{std,ddp}.py
+tiny = presets.get_preset("tiny")
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")  # installed next to this kernel's python
+print(f"torch {torch.__version__}; GPUs visible: {torch.cuda.device_count()}")
+
+# %% [markdown]
+# ## One model, many copies
+#
+# In **data parallelism** each of $N$ processes (one per GPU) holds a complete copy of the model
+# and trains on its own share of the minibatch. Suppose the minibatch has $N \times b$ samples and
+# rank $r$ gets samples $S_r$. The loss of the minibatch is the mean over all samples, so
+#
+# $$L = \frac{1}{Nb}\sum_{i=1}^{Nb} \ell_i = \frac{1}{N}\sum_{r=0}^{N-1} \underbrace{\frac{1}{b}\sum_{i \in S_r} \ell_i}_{L_r}
+# \qquad\Longrightarrow\qquad
+# \nabla L = \frac{1}{N}\sum_{r=0}^{N-1} \nabla L_r .$$
+#
+# Each rank computes $\nabla L_r$ on its own samples; one **all-reduce** (every rank sends its
+# gradient and receives the sum) followed by a division by $N$ gives every rank the gradient of
+# the whole minibatch. All ranks then take the same optimiser step from the same weights, so the
+# copies stay identical without ever sending weights.
+#
+# Check the maths on the GPT of lesson 01 before any process is started: the gradient of 8
+# samples equals the mean of the gradients of two halves of 4.
+
+# %%
+config = std.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len, n_layer=tiny.n_layer,
+                       n_head=tiny.n_head, n_embd=tiny.n_embd)
+torch.manual_seed(0)
+model = std.GPT(config)
+x, y = std.TokenShardLoader(DATA, "train", 8, tiny.seq_len).next_batch()
+
+
+def gradient(samples):
+    model.zero_grad()
+    _, loss = model(x[samples], y[samples])
+    loss.backward()
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+whole = gradient(slice(0, 8))
+halves = (gradient(slice(0, 4)) + gradient(slice(4, 8))) / 2  # what all-reduce / N computes
+print(f"{whole.numel():,} gradient entries; max |mean of halves - whole batch| = "
+      f"{(halves - whole).abs().max():.1e}")
+
+# %% [markdown]
+# ### All-reduce in practice, and why DDP overlaps it with backward
+#
+# `allreduce_demo.py` next to this notebook does the same with real processes: each rank computes
+# the gradient of its share of a small batch, `dist.all_reduce` sums them, and every rank ends up
+# with the gradient of the whole batch. The launcher, `torchrun`, starts one process per device and
+# tells each where it is.
+
+# %%
+demo = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", "allreduce_demo.py"],
+                      capture_output=True, text=True, check=True)
+print(demo.stdout)
+
+# %% [markdown]
+# The all-reduce moves every gradient byte across the network: for GPT-2 124M in fp32 that is
+# 0.5 GB per step, in each direction, on every GPU. A **ring all-reduce** sends each rank
+# $2(N-1)/N$ times the gradient's size, nearly independent of $N$, which is why data parallelism
+# scales to thousands of GPUs.
+#
+# DDP hides most of that time. It groups parameters into **buckets** of about 25 MB, in the
+# reverse order of the forward pass, and starts all-reducing a bucket as soon as backward has
+# produced all its gradients, while backward carries on with earlier layers. Only the last bucket
+# is waited for. Two consequences you will see in the script:
+# - with gradient accumulation, the all-reduce is only needed after the **last** microbatch;
+#   `model.no_sync()` skips it for the others;
+# - every rank must run the same backward passes in the same order, or the buckets never fill and
+#   the job hangs.
+
+# %%
+bucket_mb = 25
+for name in ("tiny", "gpt2-124m"):
+    p = presets.get_preset(name)
+    n_params = 12 * p.n_layer * p.n_embd**2 + p.vocab_size * p.n_embd
+    megabytes = 4 * n_params / 1e6  # fp32 gradients
+    print(f"{name:10s} ~{n_params / 1e6:6.1f} M matmul parameters -> {megabytes:6.1f} MB of gradients "
+          f"-> about {max(1, round(megabytes / bucket_mb))} bucket(s) of {bucket_mb} MB")
+
+# %% [markdown]
+# ## Where am I? Rank, local rank, world size
+#
+# Every process of a distributed job needs three numbers and the address of a meeting point:
+#
+# | meaning | torchrun sets | Slurm's `srun` sets |
+# |---|---|---|
+# | **world size**: processes in the job | `WORLD_SIZE` | `SLURM_NTASKS` |
+# | **rank**: this process's number, 0 … world size − 1 | `RANK` | `SLURM_PROCID` |
+# | **local rank**: its number on this node; picks its GPU | `LOCAL_RANK` | `SLURM_LOCALID` |
+# | node's number | `GROUP_RANK` | `SLURM_NODEID` |
+# | where rank 0 listens | `MASTER_ADDR`, `MASTER_PORT` | (the batch file exports them) |
+#
+# `torchrun` is used on one machine and, under Slurm, as `srun torchrun ...` with one torchrun per
+# node; `srun python train.py` with one task per GPU needs no torchrun at all, and the script reads
+# the `SLURM_*` names. The DDP stage accepts both.
+#
+# **Exercise 1.** Write `process_coordinates(env)`: `(rank, world_size, local_rank)` as integers
+# from a dictionary of environment variables. Use torchrun's names when present, else Slurm's,
+# else `(0, 1, 0)` (a plain `python train.py`).
+
+# %% nbgrader={"grade": false, "grade_id": "coordinates", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def process_coordinates(env):
+    ### BEGIN SOLUTION
+    rank = int(env.get("RANK", env.get("SLURM_PROCID", 0)))
+    world_size = int(env.get("WORLD_SIZE", env.get("SLURM_NTASKS", 1)))
+    local_rank = int(env.get("LOCAL_RANK", env.get("SLURM_LOCALID", 0)))
+    return rank, world_size, local_rank
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "coordinates_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+assert process_coordinates({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}) == (5, 8, 1)
+assert process_coordinates({}) == (0, 1, 0)
+### BEGIN HIDDEN TESTS
+assert process_coordinates({"SLURM_PROCID": "6", "SLURM_NTASKS": "16", "SLURM_LOCALID": "2"}) == (6, 16, 2)
+# srun torchrun: Slurm counts one task per node, torchrun's names are the ones that matter
+assert process_coordinates({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3",
+                            "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}) == (3, 8, 3)
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## Sharing out the data
+#
+# The ranks must read different samples, and together exactly the samples that one process would
+# have read, so that $N$ processes train the same model as one. The DDP stage's loader reads
+# $N$ microbatches side by side from the token stream and keeps the one at position `rank`
+# (**rank-strided**): at every step the ranks together hold the next $N \times B$ samples, in the
+# order one process would read them with gradient accumulation. Its position after a step is the
+# same on every rank, so one rank's checkpoint is enough to resume all of them.
+#
+# **Exercise 2.** Write `rank_microbatch(tokens, B, T, rank, world_size)`: the first microbatch
+# `(x, y)` of rank `rank` from a 1-D tensor of token ids, each of shape `(B, T)`, where `y` is `x`
+# shifted by one token. Rank $r$'s samples follow rank $r-1$'s in the stream.
+
+# %% nbgrader={"grade": false, "grade_id": "sharding", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def rank_microbatch(tokens, B, T, rank, world_size):
+    ### BEGIN SOLUTION
+    start = rank * B * T
+    chunk = tokens[start:start + B * T + 1]
+    return chunk[:-1].view(B, T), chunk[1:].view(B, T)
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "sharding_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+stream = torch.arange(100)
+x0, y0 = rank_microbatch(stream, 2, 3, 0, 2)
+x1, y1 = rank_microbatch(stream, 2, 3, 1, 2)
+assert x0.tolist() == [[0, 1, 2], [3, 4, 5]] and y0.tolist() == [[1, 2, 3], [4, 5, 6]]
+assert x1.tolist() == [[6, 7, 8], [9, 10, 11]]
+### BEGIN HIDDEN TESTS
+import numpy as np
+
+train_tokens = torch.from_numpy(np.load(sorted(DATA.glob("train_*.npy"))[0])[:10_000].astype(np.int64))
+for r in range(4):
+    expected = ddp.TokenShardLoader(DATA, "train", 2, 16, rank=r, world_size=4).next_batch()
+    got = rank_microbatch(train_tokens, 2, 16, r, 4)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+### END HIDDEN TESTS
+
+# %% [markdown]
+# The loader of `train_gpt2_ddp.py` does the same: two ranks with microbatch 4 see, between them,
+# the 8 samples that one process with microbatch 8 sees.
+
+# %%
+ranks = [ddp.TokenShardLoader(DATA, "train", 4, tiny.seq_len, rank=r, world_size=2).next_batch()
+         for r in range(2)]
+one_process = std.TokenShardLoader(DATA, "train", 8, tiny.seq_len).next_batch()
+together = torch.cat([ranks[0][0], ranks[1][0]])
+print("rank 0 starts with", data.gpt2_encoding().decode(ranks[0][0][0, :12].tolist()).__repr__())
+print("rank 1 starts with", data.gpt2_encoding().decode(ranks[1][0][0, :12].tolist()).__repr__())
+print("ranks 0 and 1 together == one process with B=8:", torch.equal(together, one_process[0]))
+
+# %% [markdown]
+# ## From `train_gpt2_std.py` to `train_gpt2_ddp.py`, hunk by hunk
+#
+# The whole lesson is one diff, `diffs/std-ddp.patch`. Each **hunk** is one change, with three
+# lines of context around it:
+#
+# 1. the docstring's launch command; 2–3. imports (`gc`, `os`, `torch.distributed`);
+# 4–5. the loader takes `rank` and `world_size` and keeps its share of $N$ microbatches;
+# 6. `init_distributed()` reads the environment and starts the process group (no backend named:
+#    PyTorch uses gloo for CPU tensors and NCCL for GPU ones), `all_reduce_mean` for logging, and
+#    `pick_device` gives each process the GPU of its local rank;
+# 7. `main` starts by finding its place in the job;
+# 8. DDP wraps the model; `grad_accum` counts the processes; each rank's loader gets its rank;
+# 9. rank 0 alone starts the run directory;
+# 10. the loop: `no_sync()` for all but the last microbatch, the loss averaged over ranks;
+# 11. rank 0 alone writes metrics, checkpoints and the sample; a stop signal that all ranks agree
+#     on; a clean shutdown of the process group.
+#
+# Start your working copy, `train_gpt2.py` in this folder, from the std stage (an existing copy is
+# kept), then read the hunks.
+
+# %%
+LESSON = "02-ddp"
+working_copy = diffs.start_working_copy(LESSON)
+patch_text = diffs.patch_path(diffs.step_for_lesson(LESSON)).read_text()
+added, removed = diffs.counts(patch_text)
+print(f"{working_copy.name}: {len(working_copy.read_text().splitlines())} lines; "
+      f"the patch adds {added} and removes {removed}")
+for hunk in diffs.hunks(LESSON):
+    display(Markdown(f"**hunk {hunk.number}**\n```diff\n{hunk.text}\n```"))
+
+# %% [markdown]
+# Open `train_gpt2.py` in the editor (File → Open, or the file browser) and make the changes one
+# hunk at a time: lines with `-` go, lines with `+` come in. After each, run the next cell. It
+# reports every hunk as **applied**, **not yet applied** (the old lines are still there) or
+# **conflicting** (neither: it shows your lines with `-` and the expected ones with `+`). The same
+# check from a terminal: `python -m coursekit diffs status --lesson 02-ddp`.
+
+# %%
+print(diffs.report(LESSON, diffs.status(LESSON)))
+
+# %% [markdown]
+# Stuck on a hunk? `python -m coursekit diffs apply --lesson 02-ddp --hunk N`, or the cell
+# below, applies one hunk whose old lines are still in place (here the imports, hunk 2) and
+# leaves the rest to you.
+
+# %%
+imports = diffs.status(LESSON)[1]
+if imports.state == "not yet applied":
+    diffs.apply_hunk(LESSON, imports.hunk.number)
+print(diffs.report(LESSON, diffs.status(LESSON)).splitlines()[-1])
+
+# %% [markdown]
+# ## Launching: 1 process and $N$ processes at the same global batch
+#
+# `torchrun --standalone --nproc-per-node=N script.py` starts $N$ processes on this machine with
+# the variables of the table above. Here $N$ is the number of GPUs if there are two or more, else
+# two CPU processes talking over gloo. The runs below use the finished script in `solutions/`,
+# so they work whether or not your copy is done; point `SCRIPT` at `train_gpt2.py` to run yours.
+#
+# The **global batch** (tokens per optimiser step) is the same in both runs: one process gets
+# there with `grad_accum` = $N$ microbatches, $N$ processes with one microbatch each. The losses
+# should agree to rounding: that is the proof that the DDP script trains the same model.
+
+# %%
+SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_ddp.py"
+NPROC = torch.cuda.device_count() if torch.cuda.device_count() >= 2 else 2
+MICROBATCH_TOKENS = tiny.micro_batch * tiny.seq_len
+GLOBAL_BATCH = MICROBATCH_TOKENS * NPROC
+RUNS = Path("runs")
+
+
+def train(name, processes, batch_tokens, steps, *flags):
+    """Run the DDP stage (plain python for 1 process, torchrun for more); return its metrics."""
+    out = RUNS / name
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run each time the cell runs
+    launcher = ([TORCHRUN, "--standalone", f"--nproc-per-node={processes}"] if processes > 1
+                else [sys.executable])
+    command = launcher + [str(SCRIPT), "--preset", "tiny", "--data", str(DATA), "--out", str(out),
+                          "--batch-tokens", str(batch_tokens), "--max-steps", str(steps),
+                          "--eval-interval", str(steps), "--sample-tokens", "0", *flags]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
+    shown = " ".join(Path(word).name if os.sep in word else word for word in command)
+    summary = [line for line in result.stdout.splitlines() if "processes" in line or "grad_accum" in line]
+    print("\n  ".join([f"$ {shown}", *summary, result.stdout.splitlines()[-1]]))
+    return runs.read_metrics(out)
+
+
+one = train("strong-1", 1, GLOBAL_BATCH, 40)
+many = train(f"strong-{NPROC}", NPROC, GLOBAL_BATCH, 40)
+
+# %%
+fig, ax = plt.subplots(figsize=(6, 3.5))
+ax.plot([r["step"] for r in one], [r["loss"] for r in one], label="1 process, grad_accum")
+ax.plot([r["step"] for r in many], [r["loss"] for r in many], "--", label=f"{NPROC} processes (DDP)")
+ax.set_xlabel("step")
+ax.set_ylabel("training loss")
+ax.set_title(f"same global batch: {GLOBAL_BATCH:,} tokens per step")
+ax.legend()
+plt.show()
+print(f"largest loss difference over {len(one)} steps: "
+      f"{max(abs(a['loss'] - b['loss']) for a, b in zip(one, many)):.1e}")
+
+# %% [markdown]
+# ## Strong and weak scaling
+#
+# - **Strong scaling**: the same job (the same global batch) on $N$ processes. Speedup
+#   $S = \text{throughput}_N / \text{throughput}_1$, efficiency $E = S / N$. Each process does
+#   $1/N$ of the work, so fixed costs (communication, Python, small kernels) weigh more and more.
+# - **Weak scaling**: the same work **per process** (one microbatch each), so the global batch
+#   grows with $N$. Efficiency $E_w = \text{throughput}_N / (N \times \text{throughput}_1)$ with
+#   the 1-process run at one microbatch per step. This is how data parallelism is normally used:
+#   more GPUs, bigger global batch.
+#
+# Throughput is tokens per second, the median of the steps after a short warm-up, from each run's
+# own `metrics.jsonl`.
+#
+# **Exercise 3.** Write `strong_scaling(tok_s_1, tok_s_n, n)` returning `(speedup, efficiency)`
+# and `weak_scaling_efficiency(tok_s_1, tok_s_n, n)`.
+
+# %% nbgrader={"grade": false, "grade_id": "scaling", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def strong_scaling(tok_s_1, tok_s_n, n):
+    ### BEGIN SOLUTION
+    speedup = tok_s_n / tok_s_1
+    return speedup, speedup / n
+    ### END SOLUTION
+
+
+def weak_scaling_efficiency(tok_s_1, tok_s_n, n):
+    ### BEGIN SOLUTION
+    return tok_s_n / (n * tok_s_1)
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "scaling_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+assert strong_scaling(1000.0, 3600.0, 4) == (3.6, 0.9)
+assert weak_scaling_efficiency(1000.0, 7600.0, 8) == 0.95
+### BEGIN HIDDEN TESTS
+assert strong_scaling(500.0, 500.0, 2) == (1.0, 0.5)
+assert weak_scaling_efficiency(250.0, 250.0, 1) == 1.0
+### END HIDDEN TESTS
+
+# %% [markdown]
+# The weak-scaling baseline is one process at one microbatch per step. It runs twice as many
+# steps, so that it sees as many tokens as the runs above; we use it again in the next section.
+
+# %%
+small_batch = train("weak-1", 1, MICROBATCH_TOKENS, 40 * NPROC)
+
+
+def throughput(metrics, warmup=5):
+    return statistics.median(r["tok_per_s"] for r in metrics[warmup:])
+
+
+speedup, efficiency = strong_scaling(throughput(one), throughput(many), NPROC)
+weak = weak_scaling_efficiency(throughput(small_batch), throughput(many), NPROC)
+device = "GPUs" if torch.cuda.device_count() >= 2 else "CPU processes"
+print(f"{'1 process, ' + f'{GLOBAL_BATCH:,}-token steps':36s} {throughput(one):8,.0f} tok/s")
+print(f"{f'{NPROC} {device}, the same steps':36s} {throughput(many):8,.0f} tok/s -> strong scaling: "
+      f"speedup {speedup:.2f}, efficiency {efficiency:.0%}")
+print(f"{'1 process, ' + f'{MICROBATCH_TOKENS:,}-token steps':36s} {throughput(small_batch):8,.0f} tok/s -> "
+      f"weak scaling efficiency of {NPROC} processes: {weak:.0%}")
+
+# %% [markdown]
+# On a laptop CPU these numbers are humbling, and honestly so: one process already uses every core
+# through PyTorch's threads, and `torchrun` gives each of its processes one thread
+# (`OMP_NUM_THREADS=1`), so two processes share the same cores and add communication. The speedup
+# stays near 1. On GPUs each process has a device of its own: GPT-2 124M on 8 A100s in one node
+# reaches a weak-scaling efficiency above 90%, because DDP overlaps the all-reduce with backward.
+# The lesson is the method: measure tokens/s at 1 and $N$, compute $S$ and $E$, and find out
+# what the difference costs before asking for more GPUs.
+#
+# ## Large batches: learning rate, warm-up and the generalisation gap
+#
+# Weak scaling multiplies the global batch by $N$. With the same number of tokens the run now
+# takes $N$ times fewer optimiser steps, each with a less noisy gradient. Two consequences:
+#
+# - **The learning rate must grow.** With SGD the **linear scaling rule** (Goyal et al., 2017)
+#   multiplies the learning rate by $k$ when the batch grows by $k$; with Adam the
+#   **square-root rule** ($\sqrt{k}$) is the usual starting point. A large learning rate at the
+#   start, while the weights are random, makes the loss diverge: a linear **warm-up** over the
+#   first steps (here a tenth of the run) lets it grow safely.
+# - **A generalisation gap.** Past a critical batch size, more samples per step no longer buy a
+#   better step, and very large batches tend to find sharp minima that generalise worse (Keskar
+#   et al., 2017). GPT-2 124M's 0.5M tokens per step is well below the critical batch of language
+#   models; image classifiers hit it much sooner.
+#
+# **Exercise 4.** Write `scaled_learning_rate(base_lr, base_batch, batch, rule)` for
+# `rule` `"linear"` or `"sqrt"`; raise `ValueError` for any other rule.
+
+# %% nbgrader={"grade": false, "grade_id": "lr_scaling", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def scaled_learning_rate(base_lr, base_batch, batch, rule):
+    ### BEGIN SOLUTION
+    factor = batch / base_batch
+    if rule == "linear":
+        return base_lr * factor
+    if rule == "sqrt":
+        return base_lr * factor**0.5
+    raise ValueError(f"rule {rule!r}: use 'linear' or 'sqrt'")
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "lr_scaling_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+assert scaled_learning_rate(0.1, 256, 8192, "linear") == 3.2
+assert abs(scaled_learning_rate(6e-4, 524_288, 4 * 524_288, "sqrt") - 1.2e-3) < 1e-12
+### BEGIN HIDDEN TESTS
+assert scaled_learning_rate(1e-3, 512, 512, "sqrt") == 1e-3
+assert abs(scaled_learning_rate(1e-3, 1024, 256, "linear") - 2.5e-4) < 1e-15
+try:
+    scaled_learning_rate(1e-3, 512, 1024, "cubic")
+    raise AssertionError("an unknown rule must raise ValueError")
+except ValueError:
+    pass
+### END HIDDEN TESTS
+
+# %% [markdown]
+# Now the experiment, at the same number of tokens: the small batch (one microbatch per step)
+# at the preset's learning rate, the $N$-times larger batch at the same learning rate (the run
+# of the scaling section), and the larger batch at the square-root-scaled learning rate. We
+# compare the validation loss at the end.
+
+# %%
+scaled_lr = scaled_learning_rate(tiny.lr, MICROBATCH_TOKENS, GLOBAL_BATCH, "sqrt")
+scaled = train(f"sqrt-lr-{NPROC}", NPROC, GLOBAL_BATCH, 40, "--lr", f"{scaled_lr:.6g}")
+tokens_seen = {"small batch": small_batch, "large batch, same lr": many, "large batch, sqrt lr": scaled}
+fig, ax = plt.subplots(figsize=(6, 3.5))
+for label, metrics in tokens_seen.items():
+    batch = MICROBATCH_TOKENS if metrics is small_batch else GLOBAL_BATCH
+    ax.plot([r["step"] * batch for r in metrics], [r["loss"] for r in metrics], label=label)
+    print(f"{label:22s} {len(metrics):3d} steps, final validation loss {metrics[-1]['val_loss']:.3f}")
+ax.set_xlabel("tokens seen")
+ax.set_ylabel("training loss")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# With the same learning rate, the larger batch falls behind at the same number of tokens: it
+# took $N$ times fewer steps. Scaling the learning rate wins back much of the difference (on this
+# kit's 2-process CPU run, about three quarters of it). The tiny preset's curves are noisy: try
+# `"linear"`, a longer `--warmup-steps`, or a batch 8 times larger, and watch where the benefit
+# stops.
+#
+# ## Under Slurm
+#
+# The same script runs on a cluster with one task per GPU, either
+#
+# ```bash
+# srun python solutions/train_gpt2_ddp.py                # reads SLURM_PROCID / NTASKS / LOCALID
+# srun torchrun --nnodes=$SLURM_NNODES --nproc-per-node=4 \
+#      --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT solutions/train_gpt2_ddp.py
+# ```
+#
+# with `MASTER_ADDR` the first host of the allocation
+# (`scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1`). NCCL is chosen automatically for
+# GPU tensors. The kit's batch files (lesson 00 and `batchfiles/`) set all of this up; a
+# pre-empted job gets SIGUSR1, every rank agrees to stop, rank 0 checkpoints and `--resume`
+# continues with the same data order.
+
+# %% [markdown]
+# ## Key points
+#
+# - Data parallelism: every rank holds the model, computes the gradient of its share, and one
+#   all-reduce (sum / $N$) gives all ranks the gradient of the global batch.
+# - DDP all-reduces gradient buckets while backward is still running; `no_sync()` skips the
+#   all-reduce for all but the last accumulated microbatch.
+# - Rank, local rank and world size come from torchrun (`RANK`, `LOCAL_RANK`, `WORLD_SIZE`) or
+#   Slurm (`SLURM_PROCID`, `SLURM_LOCALID`, `SLURM_NTASKS`); the local rank picks the GPU.
+# - Rank-strided data: $N$ processes read exactly what one process would, so 1 and $N$ processes
+#   at the same global batch give the same losses.
+# - Strong scaling keeps the job, weak scaling the work per process; compute speedup and
+#   efficiency from measured tokens/s.
+# - Bigger global batches need a larger learning rate (linear or square-root rule) with warm-up,
+#   and past a critical batch size they stop paying.

@@ -1,0 +1,54 @@
+"""All-reduce in one page: every process computes the gradient of its own share of a batch, one
+all-reduce (sum, then divide by the world size) turns the shares into the gradient of the whole
+batch. That is what DistributedDataParallel does for every parameter of a model.
+
+    torchrun --standalone --nproc-per-node=2 allreduce_demo.py      # one machine
+    srun python allreduce_demo.py                                     # under Slurm (see lesson 02)
+"""
+import os
+
+import torch
+import torch.distributed as dist
+
+SAMPLES_PER_RANK = 8
+
+
+def coordinates():
+    """This process's place in the job, from torchrun's variables or else from Slurm's."""
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
+    world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
+    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
+    return rank, world_size, local_rank
+
+
+def main():
+    rank, world_size, local_rank = coordinates()
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)  # nccl for GPU tensors
+
+    torch.manual_seed(0)  # the same batch and the same model in every process
+    x = torch.randn(SAMPLES_PER_RANK * world_size, 16)
+    y = torch.randn(SAMPLES_PER_RANK * world_size, 1)
+    w = torch.zeros(16, 1, requires_grad=True)
+
+    mine = slice(rank * SAMPLES_PER_RANK, (rank + 1) * SAMPLES_PER_RANK)  # this rank's share
+    ((x[mine] @ w - y[mine]) ** 2).mean().backward()
+    local_norm = w.grad.norm().item()
+    dist.all_reduce(w.grad, op=dist.ReduceOp.SUM)  # every rank now holds the sum...
+    w.grad /= world_size  # ...and the mean: the gradient of the whole batch's mean loss
+    whole_batch = torch.autograd.grad(((x @ w - y) ** 2).mean(), w)[0]
+    difference = (w.grad - whole_batch).abs().max().item()
+
+    line = (f"rank {rank} of {world_size} (local rank {local_rank}, pid {os.getpid()}): "
+            f"own-share gradient norm {local_norm:.4f}, after all-reduce {w.grad.norm():.4f}, "
+            f"max |all-reduced - whole batch| = {difference:.1e}")
+    lines = [None] * world_size
+    dist.all_gather_object(lines, line)  # rank 0 prints everyone's line, in rank order
+    if rank == 0:
+        print(f"MASTER_ADDR={os.environ.get('MASTER_ADDR')} MASTER_PORT={os.environ.get('MASTER_PORT')}"
+              f" backend={dist.get_backend()}")
+        print("\n".join(lines))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
