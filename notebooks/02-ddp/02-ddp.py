@@ -102,7 +102,8 @@ print(f"{whole.numel():,} gradient entries; max |mean of halves - whole batch| =
 # tells each where it is.
 
 # %%
-demo = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", "allreduce_demo.py"],
+DEMO = KIT_ROOT / "notebooks" / "02-ddp" / "allreduce_demo.py"  # found from any working folder
+demo = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", str(DEMO)],
                       capture_output=True, text=True, check=True)
 print(demo.stdout)
 
