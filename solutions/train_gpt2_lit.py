@@ -453,6 +453,10 @@ def main(argv=None):
     module = LitGPT(config, args, preset, grad_accum)
     trainer = make_trainer(args, grad_accum)
     device = trainer.strategy.root_device
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for any matmul left in fp32
+    if device.type == "cpu":
+        perf.keep_freed_cpu_memory()  # reuse freed tensors' pages instead of re-faulting them
 
     n_params = sum(p.numel() for p in module.gpt.parameters())
     flops_per_token = perf.flops_per_token(config.n_layer, config.n_embd, T, config.vocab_size)
