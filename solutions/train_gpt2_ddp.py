@@ -216,9 +216,8 @@ def init_distributed():
 
 
 def all_reduce_mean(tensor):
-    if dist.is_initialized():  # gloo has no AVG: sum, then divide
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        tensor /= dist.get_world_size()
+    if dist.is_initialized():  # gloo has no AVG: divide by the world size, then sum
+        dist.all_reduce(tensor.div_(dist.get_world_size()), op=dist.ReduceOp.SUM)
     return tensor
 
 
@@ -226,6 +225,8 @@ def pick_device(requested, local_rank):
     if requested != "auto":
         return torch.device(requested)
     if torch.cuda.is_available():  # NVIDIA, and AMD GPUs through ROCm's cuda API
+        if local_rank >= torch.cuda.device_count():
+            raise KitError(f"local rank {local_rank} has no GPU: fewer processes, or --device cpu")
         torch.cuda.set_device(local_rank)  # one device per process
         return torch.device("cuda", local_rank)
     if hasattr(torch, "xpu") and torch.xpu.is_available():
@@ -456,8 +457,7 @@ def main(argv=None):
         loss_sum = torch.zeros((), device=device)
         for micro in range(grad_accum):
             x, y = [t.to(device) for t in train_loader.next_batch()]
-            # all-reduce the gradients after the last microbatch only; before it, just accumulate
-            accumulate = micro < grad_accum - 1 and world_size > 1
+            accumulate = micro < grad_accum - 1 and world_size > 1  # all-reduce after the last only
             with ddp_model.no_sync() if accumulate else nullcontext():
                 loss_sum += forward_backward(ddp_model, x, y, grad_accum, autocast)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), preset.grad_clip)

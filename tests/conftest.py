@@ -1,5 +1,6 @@
 """Shared fixtures: the kit's root, a freshly built builtin corpus, and a runner for stage scripts."""
 import os
+import socket
 import subprocess
 import sys
 
@@ -36,3 +37,38 @@ def kit_env(extra=None):
     env = dict(os.environ)
     env.setdefault("TIKTOKEN_CACHE_DIR", str(data.tiktoken_cache_dir()))
     return {**env, **(extra or {})}
+
+
+def free_port():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def srun_task_env(procid, ntasks, port):
+    """The variables `srun` gives task `procid` of a one-node job, plus the rendezvous address the
+    kit's batch files export; no torchrun variables."""
+    slurm = {"SLURM_PROCID": procid, "SLURM_LOCALID": procid, "SLURM_NTASKS": ntasks,
+             "SLURM_NTASKS_PER_NODE": ntasks, "SLURM_NODEID": 0, "SLURM_NNODES": 1,
+             "SLURM_JOB_ID": 4242, "SLURM_JOB_NAME": "kit-test", "SLURM_NODELIST": "localhost",
+             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "OMP_NUM_THREADS": 1}
+    env = kit_env({name: str(value) for name, value in slurm.items()})
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(name, None)
+    return env
+
+
+def run_as_srun_tasks(script, ntasks, *args, timeout=600):
+    """Start a stage script once per task, as `srun python script ...` does; wait for all of them
+    and return their CompletedProcess results in task order."""
+    command, port = stage_command(script, *args), free_port()
+    tasks = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=KIT_ROOT, env=srun_task_env(procid, ntasks, port))
+             for procid in range(ntasks)]
+    try:
+        outputs = [task.communicate(timeout=timeout) for task in tasks]
+    finally:
+        for task in tasks:
+            task.kill()
+    return [subprocess.CompletedProcess(command, task.returncode, out, err)
+            for task, (out, err) in zip(tasks, outputs)]

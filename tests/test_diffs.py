@@ -36,7 +36,7 @@ def test_std_to_ddp_stays_within_80_changed_lines():
 
 def test_check_notices_a_stale_patch(course):
     ddp = course / "solutions" / "train_gpt2_ddp.py"
-    ddp.write_text(ddp.read_text().replace("gloo has no AVG", "gloo lacks AVG"))
+    ddp.write_text(ddp.read_text().replace("gloo has no AVG: divide", "gloo lacks AVG: divide"))
     problems = [p for p in diffs.check(course) if "std-ddp.patch" in p]
     assert len(problems) == 2  # differs from a fresh diff, and no longer produces the target
     assert "std-ddp.patch differs from the diff of its stage scripts" in problems[0]

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import kit_env, run_stage, stage_command
-from coursekit import runs
+from coursekit import runs, stages
 
 pytestmark = pytest.mark.stages
 SCRIPT = "train_gpt2_std.py"
@@ -71,8 +71,7 @@ def test_checkpoint_is_safetensors_and_json_and_reproduces_the_model(tiny_run, b
     tensors = load_file(ckpt / "tensors.safetensors")  # no pickle: cannot run code
     assert all(isinstance(t, torch.Tensor) for t in tensors.values())
 
-    from test_perf import load_stage
-    std = load_stage("train_gpt2_std")
+    std = stages.load("std")
     config = runs.read_json(out / "config.json")
     model = std.GPT(std.GPTConfig(**config["model"]))
     step, state = runs.load_checkpoint(out)

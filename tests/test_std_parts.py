@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 import torch
 
-from test_perf import load_stage
+from coursekit import stages
 
 pytestmark = pytest.mark.unit
-std = load_stage("train_gpt2_std")
+std = stages.load("std")
 
 
 def test_learning_rate_warms_up_linearly_then_decays_by_cosine():

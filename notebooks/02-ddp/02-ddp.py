@@ -281,7 +281,7 @@ print(diffs.report(LESSON, diffs.status(LESSON)).splitlines()[-1])
 #
 # `torchrun --standalone --nproc-per-node=N script.py` starts $N$ processes on this machine with
 # the variables of the table above. Here $N$ is the number of GPUs if there are two or more, else
-# two CPU processes talking over gloo. The runs below use the finished script in `solutions/`,
+# two CPU processes talking over gloo (NCCL does not let two ranks share one GPU). The runs below use the finished script in `solutions/`,
 # so they work whether or not your copy is done; point `SCRIPT` at `train_gpt2.py` to run yours.
 #
 # The **global batch** (tokens per optimiser step) is the same in both runs: one process gets
@@ -290,7 +290,8 @@ print(diffs.report(LESSON, diffs.status(LESSON)).splitlines()[-1])
 
 # %%
 SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_ddp.py"
-NPROC = torch.cuda.device_count() if torch.cuda.device_count() >= 2 else 2
+GPUS = torch.cuda.device_count()
+NPROC, DEVICE = (GPUS, "auto") if GPUS >= 2 else (2, "cpu")  # two ranks cannot share one GPU
 MICROBATCH_TOKENS = tiny.micro_batch * tiny.seq_len
 GLOBAL_BATCH = MICROBATCH_TOKENS * NPROC
 RUNS = Path("runs")
@@ -302,9 +303,10 @@ def train(name, processes, batch_tokens, steps, *flags):
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each time the cell runs
     launcher = ([TORCHRUN, "--standalone", f"--nproc-per-node={processes}"] if processes > 1
                 else [sys.executable])
-    command = launcher + [str(SCRIPT), "--preset", "tiny", "--data", str(DATA), "--out", str(out),
-                          "--batch-tokens", str(batch_tokens), "--max-steps", str(steps),
-                          "--eval-interval", str(steps), "--sample-tokens", "0", *flags]
+    command = launcher + [str(SCRIPT), "--preset", "tiny", "--device", DEVICE, "--data", str(DATA),
+                          "--out", str(out), "--batch-tokens", str(batch_tokens),
+                          "--max-steps", str(steps), "--eval-interval", str(steps),
+                          "--sample-tokens", "0", *flags]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
@@ -382,7 +384,7 @@ def throughput(metrics, warmup=5):
 
 speedup, efficiency = strong_scaling(throughput(one), throughput(many), NPROC)
 weak = weak_scaling_efficiency(throughput(small_batch), throughput(many), NPROC)
-device = "GPUs" if torch.cuda.device_count() >= 2 else "CPU processes"
+device = "GPUs" if DEVICE == "auto" else "CPU processes"
 print(f"{'1 process, ' + f'{GLOBAL_BATCH:,}-token steps':36s} {throughput(one):8,.0f} tok/s")
 print(f"{f'{NPROC} {device}, the same steps':36s} {throughput(many):8,.0f} tok/s -> strong scaling: "
       f"speedup {speedup:.2f}, efficiency {efficiency:.0%}")

@@ -281,8 +281,9 @@ for flags in refusals:
 # arguments as a list, so the kernel can run it directly, on 2 processes:
 
 # %%
-STEPS = ["--preset", "tiny", "--data", str(DATA), "--max-steps", "20", "--eval-interval", "10",
-         "--ckpt-interval", "10", "--sample-tokens", "0", "--devices", "2"]
+DEVICE = "auto" if torch.cuda.device_count() >= 2 else "cpu"  # 2 GPUs, or 2 CPU processes
+STEPS = ["--preset", "tiny", "--device", DEVICE, "--data", str(DATA), "--max-steps", "20",
+         "--eval-interval", "10", "--ckpt-interval", "10", "--sample-tokens", "0", "--devices", "2"]
 shutil.rmtree(RUNS / "notebook", ignore_errors=True)
 start = time.perf_counter()
 lit.main(STEPS + ["--strategy", "ddp_notebook", "--out", str(RUNS / "notebook")])
