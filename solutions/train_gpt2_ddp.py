@@ -207,10 +207,10 @@ def init_distributed():
     rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
     world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
     local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
-    if rank != 0:  # one log, not one per process; rank 0 alone writes the run directory
-        sys.stdout = open(os.devnull, "w")
-    if world_size > 1:  # no backend named: gloo for CPU tensors, and nccl for GPU ones if any
-        dist.init_process_group(rank=rank, world_size=world_size)  # MASTER_ADDR/PORT from env
+    sys.stdout = open(os.devnull, "w") if rank else sys.stdout  # one log: rank 0's
+    if world_size > 1:  # gloo for CPU tensors, and NCCL for GPU tensors where there are GPUs
+        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "cpu:gloo"
+        dist.init_process_group(backend, rank=rank, world_size=world_size)  # at MASTER_ADDR:PORT
         print(f"{world_size} processes, backends {dist.get_backend_config()}")
     return rank, world_size, local_rank
 

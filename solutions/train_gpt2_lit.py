@@ -192,13 +192,13 @@ class TokenShardLoader:
 # ----------------------------------------------------------------------------------------------
 # Optimiser and learning-rate schedule
 # ----------------------------------------------------------------------------------------------
-def configure_optimizer(model, lr, weight_decay, device):
+def configure_optimizer(model, lr, weight_decay):
     # decay the matrices (matmul weights, embeddings), not biases and LayerNorm gains
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    fused = device.type == "cuda"  # one kernel for all parameters instead of one per tensor
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=fused)
+    # not fused: Lightning clips the gradients itself, and refuses a fused optimizer on GPUs
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
 
 def learning_rate(step, max_lr, warmup_steps, max_steps, min_lr_ratio=0.1):
@@ -236,8 +236,7 @@ class LitGPT(L.LightningModule):
         return DataLoader(TensorDataset(torch.cat(x), torch.cat(y)), self.args.micro_batch)
 
     def configure_optimizers(self):
-        optimizer = configure_optimizer(self.gpt, self.args.lr, self.preset.weight_decay,
-                                        self.device)
+        optimizer = configure_optimizer(self.gpt, self.args.lr, self.preset.weight_decay)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate(
             step, 1.0, self.args.warmup_steps, self.args.max_steps))  # a factor of --lr
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -341,7 +340,8 @@ def make_trainer(args, grad_accum):
             logger=False, enable_progress_bar=False, enable_model_summary=False,
         )
     except (MisconfigurationException, ValueError, RuntimeError) as err:
-        raise KitError(f"--strategy {args.strategy} --devices {args.devices}: {err}") from None
+        reason = " ".join(str(err).split())  # Lightning's messages span lines: one line here
+        raise KitError(f"--strategy {args.strategy} --devices {args.devices}: {reason}") from None
 
 
 def checkpoint_to_resume(run_dir):
