@@ -395,10 +395,10 @@ print(f"{'1 process, ' + f'{MICROBATCH_TOKENS:,}-token steps':36s} {throughput(s
 # On a laptop CPU these numbers are humbling, and honestly so: one process already uses every core
 # through PyTorch's threads, and `torchrun` gives each of its processes one thread
 # (`OMP_NUM_THREADS=1`), so two processes share the same cores and add communication. The speedup
-# stays near 1. On GPUs each process has a device of its own: GPT-2 124M on 8 A100s in one node
-# reaches a weak-scaling efficiency above 90%, because DDP overlaps the all-reduce with backward.
-# The lesson is the method: measure tokens/s at 1 and $N$, compute $S$ and $E$, and find out
-# what the difference costs before asking for more GPUs.
+# stays near 1. On GPUs each process has a device of its own and DDP hides the all-reduce behind
+# backward, so efficiency within a node should stay high; across nodes the network decides. The
+# lesson is the method: run this section in a GPU session or batch job, measure tokens/s at 1 and
+# $N$, compute $S$ and $E$, and find out what the difference costs before asking for more GPUs.
 #
 # ## Large batches: learning rate, warm-up and the generalisation gap
 #
