@@ -18,6 +18,7 @@ start. Two sources fill it:
 """
 import ast
 import hashlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -280,6 +281,7 @@ def prepare_builtin(out_dir, shard_tokens=DEFAULT_SHARD_TOKENS, workers=None, pr
 # FineWeb-Edu: the real data set
 # ---------------------------------------------------------------------------------------------
 FINEWEB_REPO, FINEWEB_CONFIG = "HuggingFaceFW/fineweb-edu", "sample-10BT"
+DOCUMENTS_PER_BATCH = 4096  # FineWeb-Edu documents average ~1,000 tokens
 
 
 def fineweb_documents(sample_file=None):
@@ -317,11 +319,17 @@ def prepare_fineweb(out_dir, shards, shard_tokens=DEFAULT_SHARD_TOKENS, sample_f
                disable=not progress)
     val = ShardWriter(out_dir, "val", shard_tokens, max_shards=1, progress=bar)
     train = ShardWriter(out_dir, "train", shard_tokens, max_shards=shards - 1, progress=bar)
+    documents = fineweb_documents(sample_file)
+    # Tokenise a batch of documents at a time, so that no task is in flight when the shards are
+    # full: leaving a pool with work still queued can deadlock it.
     with multiprocessing.Pool(workers or os.cpu_count(), initializer=_init_tokenizer_worker) as pool:
-        for tokens in pool.imap(_tokenize_one, fineweb_documents(sample_file), chunksize=16):
-            (train if val.full else val).add(tokens)
-            if train.full:
-                break
+        while not train.full and (batch := list(itertools.islice(documents, DOCUMENTS_PER_BATCH))):
+            for tokens in pool.map(_tokenize_one, batch, chunksize=16):
+                (train if val.full else val).add(tokens)
+                if train.full:
+                    break
+        pool.close()
+        pool.join()
     val.close(), train.close()
     bar.close()
     if not train.files:

@@ -16,8 +16,10 @@ The words of the course, as this script uses them:
 """
 import importlib.util
 import math
+import os
 import sys
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -29,6 +31,7 @@ import torch.nn.functional as F
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import grad_norm
+from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, TensorDataset
 
 from coursekit import KitError, data, perf, presets, runs
@@ -37,6 +40,12 @@ from coursekit.cli import ArgumentParser, positive_float, positive_int
 STAGE = Path(__file__).stem.removeprefix("train_gpt2_")  # names the default run directory
 STRATEGIES = ["auto", "ddp", "ddp_notebook", "fsdp", "deepspeed_stage_1", "deepspeed_stage_2",
               "deepspeed_stage_3"]
+
+# Lightning hints "prepend srun" whenever srun is on PATH. The hint matters in a Slurm job of
+# several tasks started without srun (they would hang); outside Slurm, or in a one-task job such
+# as a JupyterLab session, it is wrong, so it is silenced there.
+if int(os.environ.get("SLURM_NTASKS", "1")) == 1:
+    warnings.filterwarnings("ignore", "The `srun` command is available", PossibleUserWarning)
 
 
 # ----------------------------------------------------------------------------------------------
