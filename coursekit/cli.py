@@ -9,6 +9,7 @@
     diffs build | check                        write / verify diffs/*.patch from solutions/
     diffs start | status --lesson L [--file F] a lesson's working copy, hunk by hunk
     diffs apply --lesson L --hunk N            apply one hunk to the working copy
+    batchfiles --site S | --all | --check      Slurm batch files from batchfiles/sites/S.yml
 """
 import argparse
 import json
@@ -81,6 +82,13 @@ def build_parser():
     diffs_cmd.add_argument("--file", help="status/apply: the working copy (default: "
                                           "notebooks/<lesson>/train_gpt2.py)")
     diffs_cmd.add_argument("--hunk", type=positive_int, help="apply: the hunk's number")
+
+    batch = commands.add_parser("batchfiles", help="Slurm batch files from a site profile")
+    which = batch.add_mutually_exclusive_group(required=True)
+    which.add_argument("--site", help="the profile batchfiles/sites/SITE.yml")
+    which.add_argument("--all", action="store_true", help="every site profile")
+    which.add_argument("--check", action="store_true",
+                       help="fail if a committed batch file differs from the generator's output")
     return parser
 
 
@@ -151,8 +159,22 @@ def run_diffs(args):
     return 0 if all(s.state == "applied" for s in statuses) else 1
 
 
+def run_batchfiles(args):
+    from coursekit import slurm
+    if args.check:
+        problems = slurm.check()
+        print("\n".join(problems) or f"batch files of {len(slurm.site_names())} sites match "
+                                     "their profiles")
+        return 1 if problems else 0
+    for site in slurm.site_names() if args.all else [args.site]:
+        written = slurm.write(site)
+        print(f"{site}: {len(written)} batch files in batchfiles/{site}/")
+    return 0
+
+
 COMMANDS = {"envcheck": run_envcheck, "tokenizer": run_tokenizer, "data": run_data,
-            "presets": run_presets, "assignments": run_assignments, "diffs": run_diffs}
+            "presets": run_presets, "assignments": run_assignments, "diffs": run_diffs,
+            "batchfiles": run_batchfiles}
 
 
 def main(argv=None):

@@ -1,0 +1,279 @@
+"""Slurm batch files for every stage script and topology, generated from a site profile.
+
+    batchfiles/sites/<site>.yml                   what a cluster needs (see generic.yml)
+    batchfiles/<site>/batch-<stage>-<N>n<G>g.sh   one job: stage script on N nodes x G GPUs
+    batchfiles/<site>/batch-data.sh               prepares the training data once
+
+How the stages start (DESIGN.md section 6):
+    std   one process:                    srun python train_gpt2_std.py
+    lit   one task per GPU, Lightning     srun python train_gpt2_lit.py --devices G --num-nodes N
+    other one torchrun per node:          srun torchrun --nnodes N --nproc-per-node G (c10d
+          rendezvous on the allocation's first host, port derived from the job id)
+Every training job asks Slurm for SIGUSR1 before its time limit (--signal=B:USR1@S), passes it on
+to the training processes, which checkpoint and exit, and requeues itself; `--resume` continues.
+"""
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from coursekit import KIT_ROOT, KitError, presets
+
+TOPOLOGY = re.compile(r"^(\d+)n(\d+)g$")
+VENDORS = ("nvidia", "amd", "none")
+#: field: (type, what it holds); every field is required, an empty string or list means "none"
+FIELDS = {
+    "description": (str, "one line about the cluster"),
+    "account": (str, "the #SBATCH --account value, a placeholder the instructor fills in once"),
+    "partition": (str, "the partition of its GPU nodes"),
+    "qos": (str, "a quality of service, or empty"),
+    "time": (str, "the time limit of a training job, HH:MM:SS"),
+    "gpu_vendor": (str, f"one of {', '.join(VENDORS)} (none: CPU processes over gloo)"),
+    "gpus_per_node": (int, "GPUs in a node (for none: processes a node can run)"),
+    "cpus_per_gpu": (int, "CPU cores that go with each GPU"),
+    "gpu_request": (str, "how a job asks for G GPUs per node, with {gpus}, or empty"),
+    "topologies": (list, "NnGg shapes to generate, such as 2n4g"),
+    "setup": (list, "shell lines that make the course environment available in a job"),
+    "env": (dict, "variables every job exports"),
+    "srun_args": (str, "extra srun options for training steps (CPU binding, ...)"),
+    "preset": (str, "the stage scripts' --preset"),
+    "data": (str, "the prepared data directory, relative to the kit's root"),
+    "data_command": (str, "the command that prepares it"),
+    "train_args": (str, "extra stage-script flags, or empty"),
+    "signal_seconds": (int, "seconds before the time limit at which the job checkpoints"),
+}
+
+
+@dataclass(frozen=True)
+class Topology:
+    nodes: int
+    gpus: int  # per node
+
+    @property
+    def name(self):
+        return f"{self.nodes}n{self.gpus}g"
+
+    @property
+    def processes(self):
+        return self.nodes * self.gpus
+
+
+def sites_dir(root=KIT_ROOT):
+    return Path(root) / "batchfiles" / "sites"
+
+
+def site_names(root=KIT_ROOT):
+    return sorted(p.stem for p in sites_dir(root).glob("*.yml"))
+
+
+def load_site(name, root=KIT_ROOT):
+    """The profile of a site, checked field by field (a KitError names the first bad one)."""
+    path = sites_dir(root) / f"{name}.yml"
+    if not path.exists():
+        raise KitError(f"no site profile {path}: sites are {', '.join(site_names(root))}")
+    try:
+        profile = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise KitError(f"{path} is not valid YAML: {' '.join(str(err).split())}") from None
+    if not isinstance(profile, dict):
+        raise KitError(f"{path} must be a mapping of the fields {', '.join(FIELDS)}")
+    for field, (kind, meaning) in FIELDS.items():
+        if field not in profile:
+            raise KitError(f"{path}: field '{field}' is missing ({meaning})")
+        if not isinstance(profile[field], kind) or isinstance(profile[field], bool):
+            raise KitError(f"{path}: field '{field}' must be a {kind.__name__} ({meaning}), "
+                           f"got {profile[field]!r}")
+    unknown = sorted(set(profile) - set(FIELDS))
+    if unknown:
+        raise KitError(f"{path}: unknown field '{unknown[0]}' (fields: {', '.join(FIELDS)})")
+    if profile["gpu_vendor"] not in VENDORS:
+        raise KitError(f"{path}: field 'gpu_vendor' is {profile['gpu_vendor']!r}; "
+                       f"use one of {', '.join(VENDORS)}")
+    presets.get_preset(profile["preset"])
+    profile["name"] = name
+    profile["topologies"] = [parse_topology(t, path, profile["gpus_per_node"])
+                             for t in profile["topologies"]]
+    return profile
+
+
+def parse_topology(text, path, gpus_per_node):
+    match = TOPOLOGY.match(str(text))
+    if not match or int(match.group(1)) < 1 or int(match.group(2)) < 1:
+        raise KitError(f"{path}: topology {text!r} is not of the form NnGg, such as 2n4g")
+    topology = Topology(int(match.group(1)), int(match.group(2)))
+    if topology.gpus > gpus_per_node:
+        raise KitError(f"{path}: topology {text} asks for {topology.gpus} GPUs per node; "
+                       f"'gpus_per_node' is {gpus_per_node}")
+    return topology
+
+
+def stages(root=KIT_ROOT):
+    """The stage scripts present in solutions/, by name."""
+    return sorted(p.stem.removeprefix("train_gpt2_")
+                  for p in (Path(root) / "solutions").glob("train_gpt2_*.py"))
+
+
+def topologies_for(stage, profile):
+    """std trains on one device; every other stage on each of the site's topologies."""
+    if stage == "std":
+        return [Topology(1, 1)]
+    return profile["topologies"]
+
+
+# --- the text of a batch file -------------------------------------------------------------------
+def sbatch_lines(profile, job_name, nodes, tasks_per_node, cpus_per_task, gpus=0, requeue=True):
+    lines = [f"--job-name={job_name}"]
+    lines += [f"--{key}={profile[key]}" for key in ("account", "partition", "qos") if profile[key]]
+    lines += [f"--nodes={nodes}", f"--ntasks-per-node={tasks_per_node}",
+              f"--cpus-per-task={cpus_per_task}"]
+    if gpus and profile["gpu_request"]:
+        lines.append(profile["gpu_request"].format(gpus=gpus))
+    lines += [f"--time={profile['time']}", "--output=%x-%j.out"]
+    if requeue:  # a requeued job appends to the same log
+        lines += ["--open-mode=append", f"--signal=B:USR1@{profile['signal_seconds']}",
+                  "--requeue"]
+    return [f"#SBATCH {line}" for line in lines]
+
+
+def batch_tokens_flag(profile, topology):
+    """--batch-tokens when the preset's global batch does not split over the processes: the
+    smallest multiple of microbatch x sequence x processes that is at least the preset's."""
+    preset = presets.get_preset(profile["preset"])
+    per_step = preset.micro_batch * preset.seq_len * topology.processes
+    if preset.batch_tokens % per_step == 0:
+        return ""
+    return f"--batch-tokens {-(-preset.batch_tokens // per_step) * per_step}"
+
+
+def launch_command(stage, profile, topology, run_dir):
+    """The job step, one shell line per part, continued with backslashes."""
+    srun = " ".join(["srun", profile["srun_args"]]).strip()
+    if stage in ("std", "lit"):  # srun starts the processes; Lightning joins them
+        launcher = [f"{srun} python"]
+    else:  # torchrun passes SIGUSR1 on to its workers: they checkpoint and exit
+        launcher = [f"{srun} torchrun --nnodes={topology.nodes} --nproc-per-node={topology.gpus}",
+                    '--rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d '
+                    '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"',
+                    "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
+    args = [f"solutions/train_gpt2_{stage}.py --preset {profile['preset']} "
+            f"--data {profile['data']} --out {run_dir} --resume"]
+    extra = batch_tokens_flag(profile, topology).split() + profile["train_args"].split()
+    if profile["gpu_vendor"] == "none":
+        extra += ["--device", "cpu"]
+    if stage == "lit":
+        extra += ["--devices", str(topology.gpus), "--num-nodes", str(topology.nodes)]
+    if extra:
+        args.append(" ".join(extra))
+    return " \\\n    ".join(launcher + args)
+
+
+def header(description, profile, site):
+    return ["#!/bin/bash",
+            "# shellcheck disable=SC1091  # the environment this job sources lives on the cluster",
+            f"# {description}",
+            f"# Site: {site} ({profile['description']}).",
+            f"# Generated by `python -m coursekit batchfiles --site {site}` from "
+            f"batchfiles/sites/{site}.yml: change the profile, not this file.",
+            f"# Submit from the kit's root: sbatch batchfiles/{site}/<this file>"]
+
+
+def training_job(stage, topology, profile):
+    site = profile["name"]
+    per_task_gpus = topology.gpus if stage not in ("std", "lit") else 1
+    tasks_per_node = 1 if per_task_gpus == topology.gpus and stage != "lit" else topology.gpus
+    cpus_per_task = profile["cpus_per_gpu"] * per_task_gpus
+    threads = ("$SLURM_CPUS_PER_TASK" if per_task_gpus == 1
+               else f"$((SLURM_CPUS_PER_TASK / {topology.gpus}))")
+    job_name = f"gpt2-{stage}-{topology.name}"
+    run_dir = f"runs/{site}-{stage}-{topology.name}"
+    lines = header(f"The {stage} stage on {topology.nodes} node(s) x {topology.gpus} "
+                   f"{'GPU(s)' if profile['gpu_vendor'] != 'none' else 'process(es)'}; "
+                   f"checkpoints in {run_dir}/, requeued on pre-emption.", profile, site)
+    lines += sbatch_lines(profile, job_name, topology.nodes, tasks_per_node, cpus_per_task,
+                          topology.gpus)
+    lines += [*job_preamble(profile, threads),
+              "# rendezvous: the allocation's first host, a port derived from the job id",
+              'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+              "MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+              "export MASTER_ADDR MASTER_PORT",
+              'echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST, '
+              'rendezvous $MASTER_ADDR:$MASTER_PORT"',
+              "",
+              "# Slurm sends SIGUSR1 to this shell before the time limit: pass it on to the training",
+              "# processes (every step of the job), let them checkpoint and exit, then requeue.",
+              "preempted=0",
+              'trap \'preempted=1; scancel --signal=USR1 "$SLURM_JOB_ID"\' USR1',
+              f"{launch_command(stage, profile, topology, run_dir)} &",
+              "step=$!",
+              "status=0",
+              'wait "$step" || status=$?',
+              'if [ "$preempted" = 1 ]; then',
+              '  wait "$step" || true  # the training processes checkpoint and exit',
+              '  echo "pre-empted: requeueing job $SLURM_JOB_ID, which resumes from its checkpoint"',
+              '  scontrol requeue "$SLURM_JOB_ID"',
+              "fi",
+              'exit "$status"']
+    return "\n".join(lines) + "\n"
+
+
+def job_preamble(profile, threads):
+    """Stop on errors, insist on the kit's root, set up the environment."""
+    return ["set -euo pipefail",
+            'test -f solutions/train_gpt2_std.py || { echo "submit from the kit\'s root" >&2; exit 2; }',
+            *profile["setup"],
+            *(f'export {name}="{value}"' for name, value in profile["env"].items()),
+            f"export OMP_NUM_THREADS={threads}  # the CPU cores each process was given"]
+
+
+def data_job(profile):
+    site = profile["name"]
+    lines = header(f"Prepares {profile['data']} once, before the training jobs.", profile, site)
+    lines += sbatch_lines(profile, "gpt2-data", 1, 1, profile["cpus_per_gpu"], requeue=False)
+    lines += [*job_preamble(profile, "$SLURM_CPUS_PER_TASK"),
+              f'{profile["data_command"]} --workers "$SLURM_CPUS_PER_TASK"']
+    return "\n".join(lines) + "\n"
+
+
+def expected_files(site, root=KIT_ROOT):
+    """{path relative to the kit's root: text} of every batch file of a site."""
+    profile = load_site(site, root)
+    files = {f"batchfiles/{site}/batch-data.sh": data_job(profile)}
+    for stage in stages(root):
+        for topology in topologies_for(stage, profile):
+            files[f"batchfiles/{site}/batch-{stage}-{topology.name}.sh"] = \
+                training_job(stage, topology, profile)
+    return files
+
+
+def write(site, root=KIT_ROOT):
+    """Write a site's batch files (and remove stale ones); return their paths."""
+    files = expected_files(site, root)
+    folder = Path(root) / "batchfiles" / site
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in set(folder.glob("*.sh")) - {Path(root) / name for name in files}:
+        stale.unlink()
+    for name, text in files.items():
+        path = Path(root) / name
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(text)
+        tmp.chmod(0o755)
+        tmp.replace(path)
+    return sorted(files)
+
+
+def check(root=KIT_ROOT):
+    """One line per committed batch file that differs from, or is missing in, the generator's
+    output, or that the generator would not write."""
+    problems = []
+    for site in site_names(root):
+        files = expected_files(site, root)
+        for name, text in files.items():
+            path = Path(root) / name
+            if not path.exists():
+                problems.append(f"{name} is missing")
+            elif path.read_text() != text:
+                problems.append(f"{name} differs from the generator's output")
+        extra = {str(p.relative_to(root)) for p in (Path(root) / "batchfiles" / site).glob("*.sh")}
+        problems += [f"{name} is not generated from {site}.yml" for name in sorted(extra - set(files))]
+    return problems

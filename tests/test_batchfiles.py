@@ -1,0 +1,85 @@
+"""Batch files: the committed ones are the generator's output, pass shellcheck, and a bad site
+profile gets a one-line error naming the field."""
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from coursekit import KIT_ROOT, KitError, slurm
+
+pytestmark = pytest.mark.unit
+BATCH_FILES = sorted(str(p.relative_to(KIT_ROOT)) for p in KIT_ROOT.glob("batchfiles/*/*.sh"))
+
+
+def test_committed_batch_files_are_the_generators_output():
+    assert slurm.check() == []
+    assert {p.split("/")[1] for p in BATCH_FILES} == set(slurm.site_names())
+
+
+def test_check_notices_an_edited_a_missing_and_a_stray_file(tmp_path):
+    shutil.copytree(KIT_ROOT / "batchfiles", tmp_path / "batchfiles")
+    shutil.copytree(KIT_ROOT / "solutions", tmp_path / "solutions")
+    ci = tmp_path / "batchfiles" / "ci"
+    (ci / "batch-ddp-2n2g.sh").write_text((ci / "batch-ddp-2n2g.sh").read_text() + "# edited\n")
+    (ci / "batch-lit-1n1g.sh").unlink()
+    (ci / "batch-old-1n1g.sh").write_text("#!/bin/bash\n")
+    assert slurm.check(tmp_path) == [
+        "batchfiles/ci/batch-ddp-2n2g.sh differs from the generator's output",
+        "batchfiles/ci/batch-lit-1n1g.sh is missing",
+        "batchfiles/ci/batch-old-1n1g.sh is not generated from ci.yml"]
+    slurm.write("ci", tmp_path)
+    assert slurm.check(tmp_path) == []
+
+
+def test_every_stage_and_topology_has_a_file():
+    for site in slurm.site_names():
+        profile = slurm.load_site(site)
+        names = {p.split("/")[-1] for p in BATCH_FILES if p.split("/")[1] == site}
+        expected = {"batch-data.sh", "batch-std-1n1g.sh"} | {
+            f"batch-{stage}-{t.name}.sh" for stage in ("ddp", "lit") for t in profile["topologies"]}
+        assert expected <= names
+
+
+def test_batch_files_pass_shellcheck():
+    result = subprocess.run([shutil.which("shellcheck", path=f"{sys.prefix}/bin") or "shellcheck",
+                             "--severity=style", *BATCH_FILES, *map(str, KIT_ROOT.glob("tests/slurm/*.sh"))],
+                            capture_output=True, text=True, cwd=KIT_ROOT)
+    assert result.returncode == 0, result.stdout[-4000:]
+
+
+def test_a_global_batch_that_does_not_split_gets_a_larger_one():
+    profile = slurm.load_site("ci")  # tiny: 1,024 tokens per step, 512 per microbatch
+    four = slurm.Topology(2, 2)
+    assert slurm.batch_tokens_flag(profile, slurm.Topology(1, 2)) == ""
+    assert slurm.batch_tokens_flag(profile, four) == "--batch-tokens 2048"
+    assert "--batch-tokens 2048" in slurm.training_job("ddp", four, profile)
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda p: p.pop("partition"), "field 'partition' is missing (the partition of its GPU nodes)"),
+    (lambda p: p.update(gpus_per_node="four"), "field 'gpus_per_node' must be a int"),
+    (lambda p: p.update(gpu_vendor="intel"), "field 'gpu_vendor' is 'intel'; use one of nvidia, amd, none"),
+    (lambda p: p.update(topologies=["2x4"]), "topology '2x4' is not of the form NnGg"),
+    (lambda p: p.update(topologies=["1n8g"]), "topology 1n8g asks for 8 GPUs per node; 'gpus_per_node' is 2"),
+    (lambda p: p.update(colour="blue"), "unknown field 'colour'"),
+    (lambda p: p.update(preset="huge"), "unknown preset 'huge'"),
+], ids=["missing", "type", "vendor", "topology", "too-many-gpus", "unknown", "preset"])
+def test_a_bad_profile_gets_one_line_naming_the_field(tmp_path, edit, message):
+    import yaml
+    (tmp_path / "batchfiles" / "sites").mkdir(parents=True)
+    shutil.copytree(KIT_ROOT / "solutions", tmp_path / "solutions")
+    profile = yaml.safe_load((KIT_ROOT / "batchfiles" / "sites" / "ci.yml").read_text())
+    edit(profile)
+    (tmp_path / "batchfiles" / "sites" / "bad.yml").write_text(yaml.safe_dump(profile))
+    with pytest.raises(KitError, match=None) as error:
+        slurm.expected_files("bad", tmp_path)
+    assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_the_command_line_reports_a_bad_site_in_one_line():
+    result = subprocess.run([sys.executable, "-m", "coursekit", "batchfiles", "--site", "nowhere"],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: no site profile") and result.stderr.count("\n") == 1
+    assert "ci, generic" in result.stderr

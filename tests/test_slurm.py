@@ -1,0 +1,178 @@
+"""The ci site's batch files on a real 2-node Slurm cluster (tests/slurm/cluster-up.sh): every file
+passes `sbatch --test-only` and runs to exit 0 with its loss lines; the 2-node jobs really use both
+nodes; a job requeued mid-run resumes from its checkpoint and ends where an uninterrupted run does."""
+import os
+import re
+import shutil
+import subprocess
+import time
+
+import pytest
+
+from coursekit import KIT_ROOT, data, runs, slurm
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+CI_FILES = sorted(p.name for p in (KIT_ROOT / "batchfiles" / "ci").glob("*.sh"))
+TRAINING_FILES = [name for name in CI_FILES if name != "batch-data.sh"]
+STEPS = int(re.search(r"--max-steps (\d+)", slurm.load_site("ci")["train_args"]).group(1))
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory):
+    """A Slurm cluster of 2 nodes on this machine, up for the session, stopped by PID after it."""
+    if os.geteuid() != 0:
+        pytest.skip("the Slurm test cluster needs root: it starts munged, slurmctld and slurmd")
+    if not shutil.which("slurmctld") and not shutil.which("apt-get"):
+        pytest.skip("Slurm is not installed and there is no apt-get to install it from Debian")
+    directory = tmp_path_factory.mktemp("slurm-ci")
+    env = {**os.environ, "SLURM_CI_DIR": str(directory)}
+    up = subprocess.run(["bash", str(KIT_ROOT / "tests" / "slurm" / "cluster-up.sh")], env=env,
+                        capture_output=True, text=True, timeout=600)
+    assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:]
+    yield {**env, "SLURM_CONF": str(directory / "slurm.conf"), "logs": directory}
+    subprocess.run(["bash", str(KIT_ROOT / "tests" / "slurm" / "cluster-down.sh")], env=env,
+                   timeout=120)
+
+
+@pytest.fixture(scope="session")
+def builtin_in_kit():
+    """The ci profile trains on data/builtin of the kit, as `make book` prepares it."""
+    if not (KIT_ROOT / "data" / "builtin" / "meta.json").exists():
+        data.prepare_builtin(KIT_ROOT / "data" / "builtin", progress=False)
+
+
+def slurm_env(cluster):
+    return {name: value for name, value in cluster.items() if name != "logs"}
+
+
+def run_dir(name):
+    stage, topology = re.match(r"batch-(\w+)-(\w+)\.sh", name).groups()
+    return KIT_ROOT / "runs" / f"ci-{stage}-{topology}"
+
+
+def submit(cluster, name, wait=True):
+    """sbatch a ci batch file from the kit's root, its log in the test's folder. With wait, the
+    running `sbatch --wait` (whose exit status is the job's); without, the job id."""
+    log = cluster["logs"] / f"{name}.%j.out"
+    command = ["sbatch", "--parsable", f"--output={log}", *(["--wait"] if wait else []),
+               f"batchfiles/ci/{name}"]
+    sbatch = subprocess.Popen(command, cwd=KIT_ROOT, env=slurm_env(cluster),
+                              stdout=subprocess.PIPE, text=True)
+    sbatch.job_id = sbatch.stdout.readline().split(";")[0].strip()
+    if wait:
+        return sbatch
+    sbatch.wait(timeout=60)
+    return sbatch.job_id
+
+
+def finish(cluster, name, sbatch):
+    """Wait for a submitted job: (exit status, log, `scontrol -d show job` as it ended)."""
+    status = sbatch.wait(timeout=900)
+    log = (cluster["logs"] / f"{name}.{sbatch.job_id}.out").read_text()
+    return status, log, scontrol(cluster, "-d", "show", "job", sbatch.job_id)
+
+
+def job_state(cluster, job_id):
+    return re.search(r"JobState=(\w+)", scontrol(cluster, "show", "job", job_id)).group(1)
+
+
+def scontrol(cluster, *args):
+    return subprocess.run(["scontrol", *args], env=slurm_env(cluster), capture_output=True,
+                          text=True, check=True).stdout
+
+
+@pytest.fixture(scope="session")
+def finished(cluster, builtin_in_kit):
+    """Each training file's job, run to the end once:
+    {file: (status, log, metrics, `scontrol -d show job` read as it ended)}."""
+    for name in TRAINING_FILES:
+        shutil.rmtree(run_dir(name), ignore_errors=True)
+    # all at once: Slurm runs them as its 2 nodes allow, and sbatch's polling overlaps
+    submitted = {name: submit(cluster, name) for name in TRAINING_FILES}
+    results = {}
+    for name, sbatch in submitted.items():
+        status, log, details = finish(cluster, name, sbatch)
+        results[name] = (status, log, runs.read_metrics(run_dir(name)), details)
+    yield results
+    for name in TRAINING_FILES:
+        shutil.rmtree(run_dir(name), ignore_errors=True)
+
+
+@pytest.mark.parametrize("name", CI_FILES)
+def test_batch_file_passes_sbatch_test_only(cluster, name):
+    result = subprocess.run(["sbatch", "--test-only", f"batchfiles/ci/{name}"], cwd=KIT_ROOT,
+                            env=slurm_env(cluster), capture_output=True, text=True)
+    assert result.returncode == 0 and "to start at" in result.stderr, result.stderr
+
+
+def test_data_job_prepares_the_corpus(cluster):
+    status, log, _ = finish(cluster, "batch-data.sh", submit(cluster, "batch-data.sh"))
+    assert status == 0, log[-3000:]
+    assert "prepared builtin in data/builtin" in log
+    assert data.read_meta(KIT_ROOT / "data" / "builtin")["splits"]["train"]["tokens"] > 500_000
+
+
+@pytest.mark.parametrize("name", TRAINING_FILES)
+def test_training_job_finishes_with_its_loss_lines(finished, name):
+    status, log, metrics, job = finished[name]
+    assert status == 0, log[-3000:]
+    steps = STEPS
+    assert re.search(rf"^step {steps}/{steps} \| loss \d+\.\d+ .* \| val \d+\.\d+$", log,
+                     re.MULTILINE), log[-3000:]
+    assert [r["step"] for r in metrics] == list(range(1, steps + 1))
+    nodes, processes = map(int, re.match(r"batch-\w+-(\d+)n(\d+)g", name).groups())
+    config = runs.read_json(run_dir(name) / "config.json")
+    assert config["world_size"] == nodes * processes
+    # Slurm's record: the nodes, and the tasks it started (one per node for torchrun)
+    tasks = nodes * (processes if name.startswith("batch-lit") else 1)
+    assert re.search(rf"NumNodes={nodes} NumCPUs=\d+ NumTasks={tasks} ", job), job
+    assert f"NodeList={'node[1-2]' if nodes == 2 else 'node'}" in job
+
+
+def test_one_and_two_nodes_train_the_same_model(finished):
+    losses = {name: [r["loss"] for r in metrics] for name, (_, _, metrics, _) in finished.items()}
+    for name in ("batch-ddp-1n2g.sh", "batch-lit-1n2g.sh", "batch-ddp-2n1g.sh", "batch-lit-2n1g.sh"):
+        assert losses[name] == pytest.approx(losses["batch-ddp-1n2g.sh"], abs=1e-4)
+
+
+# how a job is stopped mid-run: (what the test does, the signal the training processes get)
+STOPS = {"scontrol-requeue": (["requeue"], "SIGTERM"),
+         "time-limit-signal": (None, "SIGUSR1")}  # what --signal=B:USR1@S sends the batch shell
+
+
+@pytest.mark.parametrize("how", STOPS)
+def test_stopped_job_is_requeued_and_resumes_like_an_uninterrupted_one(cluster, finished, how):
+    name = "batch-ddp-1n2g.sh"
+    reference = finished[name][2]
+    shutil.rmtree(run_dir(name), ignore_errors=True)
+    job_id = submit(cluster, name, wait=False)
+    deadline = time.time() + 600
+    while len(runs.read_metrics(run_dir(name))) < 4:
+        assert time.time() < deadline, "the job did not start training"
+        time.sleep(0.2)
+    action, signal_name = STOPS[how]
+    if action:
+        scontrol(cluster, *action, job_id)  # Slurm stops the job (SIGTERM) and queues it again
+    else:  # the batch file's trap passes it on, waits for the checkpoint and requeues
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=slurm_env(cluster),
+                       check=True)
+    while job_state(cluster, job_id) != "PENDING":
+        assert time.time() < deadline, "the job was not requeued"
+        time.sleep(0.2)
+    # Slurm gives a requeued job a begin time minutes ahead (Reason=BeginTime); let it start now
+    release = ["scontrol", "update", f"JobId={job_id}", "StartTime=now"]
+    while subprocess.run(release, env=slurm_env(cluster), capture_output=True).returncode != 0:
+        assert time.time() < deadline, "the requeued job could not be released"
+        time.sleep(0.5)
+    while job_state(cluster, job_id) in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+        assert time.time() < deadline, "the requeued job did not finish"
+        time.sleep(0.5)
+    assert job_state(cluster, job_id) == "COMPLETED"
+    log = (cluster["logs"] / f"{name}.{job_id}.out").read_text()
+    stopped = re.search(rf"{signal_name} received: checkpoint saved at step (\d+)", log)
+    assert stopped and 4 <= int(stopped.group(1)) < STEPS, log[-3000:]
+    assert f"resumed from runs/ci-ddp-1n2g/ckpt/step_{int(stopped.group(1)):08d}" in log
+    assert "Restarts=1" in scontrol(cluster, "show", "job", job_id)
+    got = runs.read_metrics(run_dir(name))
+    assert [(r["step"], r["loss"], r.get("val_loss")) for r in got] == \
+           [(r["step"], r["loss"], r.get("val_loss")) for r in reference]
