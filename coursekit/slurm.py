@@ -7,8 +7,10 @@
 How the stages start (DESIGN.md section 6):
     std   one process:                    srun python train_gpt2_std.py
     lit   one task per GPU, Lightning     srun python train_gpt2_lit.py --devices G --num-nodes N
-    other one torchrun per node:          srun torchrun --nnodes N --nproc-per-node G (c10d
-          rendezvous on the allocation's first host, port derived from the job id)
+    other launcher torchrun (the default): one torchrun per node, srun torchrun --nnodes N
+          --nproc-per-node G, c10d rendezvous on the allocation's first host, port from the job id;
+          launcher srun: one task per GPU, srun python, so that Slurm binds each task to the
+          cores next to its GPU (LUMI's CPU-binding masks)
 Every training job asks Slurm for SIGUSR1 before its time limit (--signal=B:USR1@S), passes it on
 to the training processes, which checkpoint and exit, and requeues itself; `--resume` continues.
 """
@@ -22,6 +24,7 @@ from coursekit import KIT_ROOT, KitError, presets
 
 TOPOLOGY = re.compile(r"^(\d+)n(\d+)g$")
 VENDORS = ("nvidia", "amd", "none")
+LAUNCHERS = ("torchrun", "srun")
 #: field: (type, what it holds); every field is required, an empty string or list means "none"
 FIELDS = {
     "description": (str, "one line about the cluster"),
@@ -36,6 +39,7 @@ FIELDS = {
     "topologies": (list, "NnGg shapes to generate, such as 2n4g"),
     "setup": (list, "shell lines that make the course environment available in a job"),
     "env": (dict, "variables every job exports"),
+    "launcher": (str, f"how the DDP-style stages start: one of {', '.join(LAUNCHERS)}"),
     "srun_args": (str, "extra srun options for training steps (CPU binding, ...)"),
     "preset": (str, "the stage scripts' --preset"),
     "data": (str, "the prepared data directory, relative to the kit's root"),
@@ -87,9 +91,10 @@ def load_site(name, root=KIT_ROOT):
     unknown = sorted(set(profile) - set(FIELDS))
     if unknown:
         raise KitError(f"{path}: unknown field '{unknown[0]}' (fields: {', '.join(FIELDS)})")
-    if profile["gpu_vendor"] not in VENDORS:
-        raise KitError(f"{path}: field 'gpu_vendor' is {profile['gpu_vendor']!r}; "
-                       f"use one of {', '.join(VENDORS)}")
+    for field, allowed in (("gpu_vendor", VENDORS), ("launcher", LAUNCHERS)):
+        if profile[field] not in allowed:
+            raise KitError(f"{path}: field '{field}' is {profile[field]!r}; "
+                           f"use one of {', '.join(allowed)}")
     presets.get_preset(profile["preset"])
     profile["name"] = name
     profile["topologies"] = [parse_topology(t, path, profile["gpus_per_node"])
@@ -136,20 +141,28 @@ def sbatch_lines(profile, job_name, nodes, tasks_per_node, cpus_per_task, gpus=0
     return [f"#SBATCH {line}" for line in lines]
 
 
-def batch_tokens_flag(profile, topology):
-    """--batch-tokens when the preset's global batch does not split over the processes: the
-    smallest multiple of microbatch x sequence x processes that is at least the preset's."""
+def batch_split_flags(profile, topology):
+    """Flags that make the preset's minibatch split evenly over the processes. A smaller
+    micro-batch keeps the recipe (the same tokens per step, only the memory changes); when none
+    fits, the minibatch grows to the next multiple of micro-batch x sequence x processes."""
     preset = presets.get_preset(profile["preset"])
-    per_step = preset.micro_batch * preset.seq_len * topology.processes
-    if preset.batch_tokens % per_step == 0:
-        return ""
+    per_sample = preset.seq_len * topology.processes
+    for micro in range(preset.micro_batch, 0, -1):
+        if preset.batch_tokens % (micro * per_sample) == 0:
+            return "" if micro == preset.micro_batch else f"--micro-batch {micro}"
+    per_step = preset.micro_batch * per_sample
     return f"--batch-tokens {-(-preset.batch_tokens // per_step) * per_step}"
+
+
+def one_task_per_gpu(stage, profile):
+    """Does srun start every training process itself (rather than one torchrun per node)?"""
+    return stage in ("std", "lit") or profile["launcher"] == "srun"
 
 
 def launch_command(stage, profile, topology, run_dir):
     """The job step, one shell line per part, continued with backslashes."""
     srun = " ".join(["srun", profile["srun_args"]]).strip()
-    if stage in ("std", "lit"):  # srun starts the processes; Lightning joins them
+    if one_task_per_gpu(stage, profile):  # the processes read their rank from Slurm's variables
         launcher = [f"{srun} python"]
     else:  # torchrun passes SIGUSR1 on to its workers: they checkpoint and exit
         launcher = [f"{srun} torchrun --nnodes={topology.nodes} --nproc-per-node={topology.gpus}",
@@ -158,7 +171,7 @@ def launch_command(stage, profile, topology, run_dir):
                     "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
     args = [f"solutions/train_gpt2_{stage}.py --preset {profile['preset']} "
             f"--data {profile['data']} --out {run_dir} --resume"]
-    extra = batch_tokens_flag(profile, topology).split() + profile["train_args"].split()
+    extra = batch_split_flags(profile, topology).split() + profile["train_args"].split()
     if profile["gpu_vendor"] == "none":
         extra += ["--device", "cpu"]
     if stage == "lit":
@@ -180,11 +193,11 @@ def header(description, profile, site):
 
 def training_job(stage, topology, profile):
     site = profile["name"]
-    per_task_gpus = topology.gpus if stage not in ("std", "lit") else 1
-    tasks_per_node = 1 if per_task_gpus == topology.gpus and stage != "lit" else topology.gpus
-    cpus_per_task = profile["cpus_per_gpu"] * per_task_gpus
-    threads = ("$SLURM_CPUS_PER_TASK" if per_task_gpus == 1
-               else f"$((SLURM_CPUS_PER_TASK / {topology.gpus}))")
+    tasks_per_node = topology.gpus if one_task_per_gpu(stage, profile) else 1
+    gpus_per_task = topology.gpus // tasks_per_node
+    cpus_per_task = profile["cpus_per_gpu"] * gpus_per_task
+    threads = ("$SLURM_CPUS_PER_TASK" if gpus_per_task == 1
+               else f"$((SLURM_CPUS_PER_TASK / {gpus_per_task}))")
     job_name = f"gpt2-{stage}-{topology.name}"
     run_dir = f"runs/{site}-{stage}-{topology.name}"
     lines = header(f"The {stage} stage on {topology.nodes} node(s) x {topology.gpus} "

@@ -48,23 +48,39 @@ def test_batch_files_pass_shellcheck():
     assert result.returncode == 0, result.stdout[-4000:]
 
 
-def test_a_global_batch_that_does_not_split_gets_a_larger_one():
-    profile = slurm.load_site("ci")  # tiny: 1,024 tokens per step, 512 per microbatch
-    four = slurm.Topology(2, 2)
-    assert slurm.batch_tokens_flag(profile, slurm.Topology(1, 2)) == ""
-    assert slurm.batch_tokens_flag(profile, four) == "--batch-tokens 2048"
-    assert "--batch-tokens 2048" in slurm.training_job("ddp", four, profile)
+def test_a_minibatch_that_does_not_split_gets_a_smaller_micro_batch_or_a_larger_minibatch():
+    profile = slurm.load_site("ci")  # tiny: 1,024 tokens per step, microbatch 4 x 128 tokens
+    assert slurm.batch_split_flags(profile, slurm.Topology(1, 2)) == ""
+    assert slurm.batch_split_flags(profile, slurm.Topology(2, 2)) == "--micro-batch 2"
+    assert "--micro-batch 2" in slurm.training_job("ddp", slurm.Topology(2, 2), profile)
+    # 12 processes: no micro-batch splits 1,024 tokens; the minibatch grows to 4 x 128 x 12
+    assert slurm.batch_split_flags(profile, slurm.Topology(6, 2)) == "--batch-tokens 6144"
+
+
+def test_the_srun_launcher_starts_one_bound_task_per_gpu():
+    lumi = (KIT_ROOT / "batchfiles" / "lumi" / "batch-ddp-2n8g.sh").read_text()
+    assert "#SBATCH --ntasks-per-node=8\n#SBATCH --cpus-per-task=7\n" in lumi
+    assert "srun --cpu-bind=mask_cpu:0x00fe000000000000," in lumi and "torchrun" not in lumi
+    assert "export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK " in lumi
+
+
+def test_the_torchrun_launcher_starts_one_task_per_node_with_all_its_gpus():
+    leonardo = (KIT_ROOT / "batchfiles" / "leonardo" / "batch-ddp-2n4g.sh").read_text()
+    assert "#SBATCH --ntasks-per-node=1\n#SBATCH --cpus-per-task=32\n#SBATCH --gres=gpu:4\n" in leonardo
+    assert "srun torchrun --nnodes=2 --nproc-per-node=4" in leonardo
+    assert "export OMP_NUM_THREADS=$((SLURM_CPUS_PER_TASK / 4)) " in leonardo
 
 
 @pytest.mark.parametrize("edit, message", [
     (lambda p: p.pop("partition"), "field 'partition' is missing (the partition of its GPU nodes)"),
     (lambda p: p.update(gpus_per_node="four"), "field 'gpus_per_node' must be a int"),
     (lambda p: p.update(gpu_vendor="intel"), "field 'gpu_vendor' is 'intel'; use one of nvidia, amd, none"),
+    (lambda p: p.update(launcher="mpirun"), "field 'launcher' is 'mpirun'; use one of torchrun, srun"),
     (lambda p: p.update(topologies=["2x4"]), "topology '2x4' is not of the form NnGg"),
     (lambda p: p.update(topologies=["1n8g"]), "topology 1n8g asks for 8 GPUs per node; 'gpus_per_node' is 2"),
     (lambda p: p.update(colour="blue"), "unknown field 'colour'"),
     (lambda p: p.update(preset="huge"), "unknown preset 'huge'"),
-], ids=["missing", "type", "vendor", "topology", "too-many-gpus", "unknown", "preset"])
+], ids=["missing", "type", "vendor", "launcher", "topology", "too-many-gpus", "unknown", "preset"])
 def test_a_bad_profile_gets_one_line_naming_the_field(tmp_path, edit, message):
     import yaml
     (tmp_path / "batchfiles" / "sites").mkdir(parents=True)
@@ -83,3 +99,9 @@ def test_the_command_line_reports_a_bad_site_in_one_line():
     assert result.returncode == 2
     assert result.stderr.startswith("error: no site profile") and result.stderr.count("\n") == 1
     assert "ci, generic" in result.stderr
+
+
+def test_the_cluster_chapter_describes_every_site():
+    chapter = (KIT_ROOT / "book" / "cluster.md").read_text()
+    missing = [site for site in slurm.site_names() if f"| `{site}` |" not in chapter]
+    assert missing == [], f"book/cluster.md has no row for {missing}"

@@ -14,6 +14,9 @@ from coursekit import KIT_ROOT, data, runs, slurm
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 CI_FILES = sorted(p.name for p in (KIT_ROOT / "batchfiles" / "ci").glob("*.sh"))
 TRAINING_FILES = [name for name in CI_FILES if name != "batch-data.sh"]
+# The ddp stage started by srun, one task per process (the launcher of sites that bind each task
+# to its cores, such as LUMI), generated into the test's folder: 2 nodes x 2 tasks
+SRUN_LAUNCHED = "batch-ddp-2n2g-srun.sh"
 STEPS = int(re.search(r"--max-steps (\d+)", slurm.load_site("ci")["train_args"]).group(1))
 
 
@@ -46,16 +49,28 @@ def slurm_env(cluster):
 
 
 def run_dir(name):
-    stage, topology = re.match(r"batch-(\w+)-(\w+)\.sh", name).groups()
-    return KIT_ROOT / "runs" / f"ci-{stage}-{topology}"
+    stage, topology, launcher = re.match(r"batch-(\w+)-(\d+n\d+g)(-srun)?\.sh", name).groups()
+    return KIT_ROOT / "runs" / f"ci{launcher or ''}-{stage}-{topology}"
+
+
+def batch_file(cluster, name):
+    if name == SRUN_LAUNCHED:
+        return cluster["logs"] / name
+    return KIT_ROOT / "batchfiles" / "ci" / name
+
+
+def write_srun_launched(cluster):
+    profile = {**slurm.load_site("ci"), "launcher": "srun", "name": "ci-srun"}
+    batch_file(cluster, SRUN_LAUNCHED).write_text(
+        slurm.training_job("ddp", slurm.Topology(2, 2), profile))
 
 
 def submit(cluster, name, wait=True):
-    """sbatch a ci batch file from the kit's root, its log in the test's folder. With wait, the
+    """sbatch a batch file from the kit's root, its log in the test's folder. With wait, the
     running `sbatch --wait` (whose exit status is the job's); without, the job id."""
     log = cluster["logs"] / f"{name}.%j.out"
     command = ["sbatch", "--parsable", f"--output={log}", *(["--wait"] if wait else []),
-               f"batchfiles/ci/{name}"]
+               str(batch_file(cluster, name))]
     sbatch = subprocess.Popen(command, cwd=KIT_ROOT, env=slurm_env(cluster),
                               stdout=subprocess.PIPE, text=True)
     sbatch.job_id = sbatch.stdout.readline().split(";")[0].strip()
@@ -85,16 +100,18 @@ def scontrol(cluster, *args):
 def finished(cluster, builtin_in_kit):
     """Each training file's job, run to the end once:
     {file: (status, log, metrics, `scontrol -d show job` read as it ended)}."""
-    for name in TRAINING_FILES:
+    write_srun_launched(cluster)
+    names = [*TRAINING_FILES, SRUN_LAUNCHED]
+    for name in names:
         shutil.rmtree(run_dir(name), ignore_errors=True)
     # all at once: Slurm runs them as its 2 nodes allow, and sbatch's polling overlaps
-    submitted = {name: submit(cluster, name) for name in TRAINING_FILES}
+    submitted = {name: submit(cluster, name) for name in names}
     results = {}
     for name, sbatch in submitted.items():
         status, log, details = finish(cluster, name, sbatch)
         results[name] = (status, log, runs.read_metrics(run_dir(name)), details)
     yield results
-    for name in TRAINING_FILES:
+    for name in names:
         shutil.rmtree(run_dir(name), ignore_errors=True)
 
 
@@ -105,6 +122,21 @@ def test_batch_file_passes_sbatch_test_only(cluster, name):
     assert result.returncode == 0 and "to start at" in result.stderr, result.stderr
 
 
+SITE_FILES = sorted(str(p.relative_to(KIT_ROOT)) for p in KIT_ROOT.glob("batchfiles/*/*.sh")
+                    if p.parent.name != "ci")
+
+
+@pytest.mark.parametrize("path", SITE_FILES)
+def test_real_site_batch_file_passes_sbatch_test_only_on_gpu_shaped_nodes(cluster, path):
+    """The cluster's "sites" partition has nodes of 8 GPUs and 288 cores: every real site's
+    request (nodes, tasks, cores, GPUs in the site's own syntax) must fit them."""
+    result = subprocess.run(["sbatch", "--test-only", "--partition=sites", path], cwd=KIT_ROOT,
+                            env=slurm_env(cluster), capture_output=True, text=True)
+    assert result.returncode == 0 and "to start at" in result.stderr, result.stderr
+    nodes = int(re.search(r"--nodes=(\d+)", (KIT_ROOT / path).read_text()).group(1))
+    assert f"on nodes {'site[1-2]' if nodes == 2 else 'site1'}" in result.stderr, result.stderr
+
+
 def test_data_job_prepares_the_corpus(cluster):
     status, log, _ = finish(cluster, "batch-data.sh", submit(cluster, "batch-data.sh"))
     assert status == 0, log[-3000:]
@@ -112,7 +144,7 @@ def test_data_job_prepares_the_corpus(cluster):
     assert data.read_meta(KIT_ROOT / "data" / "builtin")["splits"]["train"]["tokens"] > 500_000
 
 
-@pytest.mark.parametrize("name", TRAINING_FILES)
+@pytest.mark.parametrize("name", [*TRAINING_FILES, SRUN_LAUNCHED])
 def test_training_job_finishes_with_its_loss_lines(finished, name):
     status, log, metrics, job = finished[name]
     assert status == 0, log[-3000:]
@@ -124,15 +156,18 @@ def test_training_job_finishes_with_its_loss_lines(finished, name):
     config = runs.read_json(run_dir(name) / "config.json")
     assert config["world_size"] == nodes * processes
     # Slurm's record: the nodes, and the tasks it started (one per node for torchrun)
-    tasks = nodes * (processes if name.startswith("batch-lit") else 1)
+    tasks = nodes * (processes if name.startswith("batch-lit") or name == SRUN_LAUNCHED else 1)
     assert re.search(rf"NumNodes={nodes} NumCPUs=\d+ NumTasks={tasks} ", job), job
     assert f"NodeList={'node[1-2]' if nodes == 2 else 'node'}" in job
 
 
-def test_one_and_two_nodes_train_the_same_model(finished):
+def test_every_shape_trains_the_same_model(finished):
+    """The minibatch is the same whatever the nodes, processes and launcher: so are the losses
+    (the 4-process jobs run a smaller micro-batch to keep it)."""
     losses = {name: [r["loss"] for r in metrics] for name, (_, _, metrics, _) in finished.items()}
-    for name in ("batch-ddp-1n2g.sh", "batch-lit-1n2g.sh", "batch-ddp-2n1g.sh", "batch-lit-2n1g.sh"):
-        assert losses[name] == pytest.approx(losses["batch-ddp-1n2g.sh"], abs=1e-4)
+    for name in ("batch-std-1n1g.sh", "batch-ddp-1n1g.sh", "batch-ddp-2n1g.sh", "batch-ddp-2n2g.sh",
+                 SRUN_LAUNCHED, "batch-lit-1n2g.sh", "batch-lit-2n1g.sh", "batch-lit-2n2g.sh"):
+        assert losses[name] == pytest.approx(losses["batch-ddp-1n2g.sh"], abs=1e-4), name
 
 
 # how a job is stopped mid-run: (what the test does, the signal the training processes get)
@@ -167,12 +202,13 @@ def test_stopped_job_is_requeued_and_resumes_like_an_uninterrupted_one(cluster, 
     while job_state(cluster, job_id) in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
         assert time.time() < deadline, "the requeued job did not finish"
         time.sleep(0.5)
-    assert job_state(cluster, job_id) == "COMPLETED"
     log = (cluster["logs"] / f"{name}.{job_id}.out").read_text()
+    record = scontrol(cluster, "show", "job", job_id)
+    assert "JobState=COMPLETED" in record, log[-4000:] + record
     stopped = re.search(rf"{signal_name} received: checkpoint saved at step (\d+)", log)
     assert stopped and 4 <= int(stopped.group(1)) < STEPS, log[-3000:]
     assert f"resumed from runs/ci-ddp-1n2g/ckpt/step_{int(stopped.group(1)):08d}" in log
-    assert "Restarts=1" in scontrol(cluster, "show", "job", job_id)
+    assert "Restarts=1" in record
     got = runs.read_metrics(run_dir(name))
     assert [(r["step"], r["loss"], r.get("val_loss")) for r in got] == \
            [(r["step"], r["loss"], r.get("val_loss")) for r in reference]
