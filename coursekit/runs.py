@@ -132,19 +132,28 @@ def latest_checkpoint(run_dir):
 
 def save_checkpoint(run_dir, step, state):
     """Write ``state`` (nested dicts of tensors and JSON values) as checkpoint ``step``."""
-    ckpt_root = checkpoint_dir(run_dir)
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    name = f"step_{step:08d}"
-    tmp = ckpt_root / f".{name}.tmp"
+    tmp = unpublished_checkpoint(run_dir, step)
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp.mkdir(parents=True)
     skeleton, tensors = flatten_state(state)
     save_file(tensors, tmp / "tensors.safetensors")
     write_json_atomic(tmp / "state.json", {"step": step, "state": skeleton})
-    final = ckpt_root / name
+    return publish_checkpoint(run_dir, step)
+
+
+def unpublished_checkpoint(run_dir, step):
+    """Where checkpoint ``step`` is written before it is complete (hidden from resume)."""
+    return checkpoint_dir(run_dir) / f".step_{step:08d}.tmp"
+
+
+def publish_checkpoint(run_dir, step):
+    """Make the complete checkpoint ``step`` the one a resume finds, in one rename; keep the
+    newest few."""
+    ckpt_root = checkpoint_dir(run_dir)
+    final = ckpt_root / f"step_{step:08d}"
     shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    write_json_atomic(ckpt_root / "latest.json", {"dir": name, "step": step})
+    os.replace(unpublished_checkpoint(run_dir, step), final)
+    write_json_atomic(ckpt_root / "latest.json", {"dir": final.name, "step": step})
     _prune_checkpoints(ckpt_root, keep=KEEP_CHECKPOINTS)
     return final
 

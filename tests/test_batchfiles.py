@@ -37,7 +37,8 @@ def test_every_stage_and_topology_has_a_file():
         profile = slurm.load_site(site)
         names = {p.split("/")[-1] for p in BATCH_FILES if p.split("/")[1] == site}
         expected = {"batch-data.sh", "batch-std-1n1g.sh"} | {
-            f"batch-{stage}-{t.name}.sh" for stage in ("ddp", "lit") for t in profile["topologies"]}
+            f"batch-{stage}-{t.name}.sh" for stage in ("ddp", "fsdp", "lit")
+            for t in profile["topologies"]}
         assert expected <= names
 
 

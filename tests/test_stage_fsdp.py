@@ -1,0 +1,110 @@
+"""The fsdp stage: FSDP2 on 2 processes trains like DDP while each rank holds 1/N of the
+parameters; its sharded checkpoints resume at 1, 2 or 4 processes with the same losses; activation
+checkpointing and CPU offload change memory, not results."""
+import shutil
+
+import pytest
+
+from conftest import run_stage
+from coursekit import KIT_ROOT, runs
+from test_stage_ddp import torchrun
+
+pytestmark = pytest.mark.stages
+FSDP_SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_fsdp.py"
+DDP_SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_ddp.py"
+STEPS = ["--preset", "tiny", "--max-steps", "10", "--eval-interval", "5", "--ckpt-interval", "5",
+         "--sample-tokens", "0", "--device", "cpu"]
+TINY_PARAMETER_BYTES = 3_427_712 * 4  # fp32
+
+
+@pytest.fixture(scope="module")
+def fsdp_two(builtin_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp2")
+    result = torchrun(2, FSDP_SCRIPT, *STEPS, "--data", builtin_data, "--out", out)
+    return out, result.stdout
+
+
+@pytest.fixture(scope="module")
+def ddp_two(builtin_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp2")
+    torchrun(2, DDP_SCRIPT, *STEPS, "--data", builtin_data, "--out", out)
+    return runs.read_metrics(out)
+
+
+def losses(metrics, keys=("loss", "val_loss")):
+    """The listed losses of every step, in one flat list (None where a step has no validation)."""
+    return [r.get(key) for r in metrics for key in keys]
+
+
+def test_two_processes_train_like_ddp(fsdp_two, ddp_two):
+    out, stdout = fsdp_two
+    assert "2 processes, backends " in stdout and stdout.count("step 1/10 ") == 1
+    fsdp = runs.read_metrics(out)
+    assert [r["step"] for r in fsdp] == list(range(1, 11))
+    for got, expected in zip(fsdp, ddp_two, strict=True):
+        assert got["loss"] == pytest.approx(expected["loss"], abs=1e-4)
+        assert got.get("val_loss", 0) == pytest.approx(expected.get("val_loss", 0), abs=1e-4)
+
+
+def test_each_rank_holds_its_share_of_parameters_gradients_and_optimiser_state(fsdp_two):
+    out, stdout = fsdp_two
+    reports = runs.read_json(out / "memory.json")
+    assert len(reports) == 2
+    for rank, report in enumerate(reports):
+        assert report["params"] == pytest.approx(TINY_PARAMETER_BYTES / 2, rel=0.05)
+        assert report["grads"] == pytest.approx(report["params"], rel=1e-9)
+        assert report["optimizer"] == pytest.approx(2 * report["params"], rel=0.01)  # Adam: m, v
+        assert report["peak"] > report["params"] and report["peak_kind"] == "RSS"
+        assert f"rank {rank} | params " in stdout
+
+
+def checkpoint_at_step_5(run_dir, copy):
+    """A copy of the 2-process run as it was after step 5: its checkpoint and metrics."""
+    shutil.copytree(run_dir, copy)
+    shutil.rmtree(copy / "ckpt" / "step_00000010")
+    runs.write_json_atomic(copy / "ckpt" / "latest.json", {"dir": "step_00000005", "step": 5})
+    return copy
+
+
+@pytest.mark.parametrize("nproc", [1, 4])
+def test_a_two_rank_checkpoint_resumes_at_another_world_size(fsdp_two, builtin_data, tmp_path,
+                                                             nproc):
+    out, _ = fsdp_two
+    copy = checkpoint_at_step_5(out, tmp_path / "run")
+    # 4 processes x micro-batch 2 x 128 tokens = the same 1,024-token minibatch
+    split = ["--micro-batch", "2"] if nproc == 4 else []
+    result = torchrun(nproc, FSDP_SCRIPT, *STEPS, *split, "--resume", "--data", builtin_data,
+                      "--out", copy)
+    assert f"{nproc} processes" in result.stdout
+    assert f"resumed from {copy / 'ckpt' / 'step_00000005'} at step 5" in result.stdout
+    resumed, reference = runs.read_metrics(copy), runs.read_metrics(out)
+    assert [r["step"] for r in resumed] == list(range(1, 11))
+    # validation reads micro-batches of the run's own size: compare it at the same size only
+    keys = ("loss", "val_loss") if not split else ("loss",)
+    assert losses(resumed[5:], keys) == pytest.approx(losses(reference[5:], keys), abs=1e-5)
+    reports = runs.read_json(copy / "memory.json")
+    assert [r["params"] for r in reports] == \
+           pytest.approx([TINY_PARAMETER_BYTES / nproc] * nproc, rel=0.05)
+
+
+@pytest.mark.parametrize("flag", ["--activation-checkpointing", "--cpu-offload"])
+def test_memory_options_keep_the_losses(builtin_data, tmp_path, flag):
+    short = ["--preset", "tiny", "--max-steps", "3", "--sample-tokens", "0", "--device", "cpu",
+             "--data", builtin_data]
+    plain = run_stage("train_gpt2_fsdp.py", *short, "--out", tmp_path / "plain")
+    option = run_stage("train_gpt2_fsdp.py", *short, flag, "--out", tmp_path / "option")
+    assert plain.returncode == 0 and option.returncode == 0, option.stderr[-3000:]
+    assert losses(runs.read_metrics(tmp_path / "option")) == \
+           pytest.approx(losses(runs.read_metrics(tmp_path / "plain")), abs=1e-6)
+
+
+def test_one_process_needs_no_launcher(builtin_data, tmp_path):
+    """A group of one: `python train_gpt2_fsdp.py` shards over a single rank, checkpoints with
+    torch.distributed.checkpoint, and writes its sample on exit."""
+    result = run_stage("train_gpt2_fsdp.py", "--preset", "tiny", "--max-steps", "2",
+                       "--sample-tokens", "8", "--device", "cpu", "--data", builtin_data,
+                       "--out", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Warning" not in result.stderr, result.stderr  # no noise at exit
+    assert (tmp_path / "ckpt" / "step_00000002" / ".metadata").is_file()
+    assert (tmp_path / "sample.txt").read_text().strip()
