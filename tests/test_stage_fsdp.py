@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from conftest import run_stage
-from coursekit import KIT_ROOT, runs
+from coursekit import KIT_ROOT, memory, presets, runs
 from test_stage_ddp import torchrun
 
 pytestmark = pytest.mark.stages
@@ -56,6 +56,17 @@ def test_each_rank_holds_its_share_of_parameters_gradients_and_optimiser_state(f
         assert report["optimizer"] == pytest.approx(2 * report["params"], rel=0.01)  # Adam: m, v
         assert report["peak"] > report["params"] and report["peak_kind"] == "RSS"
         assert f"rank {rank} | params " in stdout
+
+
+def test_measured_bytes_match_the_memory_arithmetic(fsdp_two):
+    """coursekit.memory's prediction for FSDP on 2 ranks in fp32, against the tensors each rank
+    really holds (FSDP pads a shard by at most a row per parameter)."""
+    out, _ = fsdp_two
+    tiny = memory.Model.from_preset(presets.get_preset("tiny"))
+    predicted = memory.per_rank_bytes(tiny, "fsdp", world_size=2)
+    for report in runs.read_json(out / "memory.json"):
+        for part in ("params", "grads", "optimizer"):
+            assert report[part] == pytest.approx(predicted[part], rel=0.01), part
 
 
 def checkpoint_at_step_5(run_dir, copy):
