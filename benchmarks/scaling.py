@@ -1,6 +1,6 @@
-"""Tokens per second of the ddp and lit stages with 1 and 2 processes on this machine.
+"""Tokens per second of the ddp, fsdp and lit stages with 1 and 2 processes on this machine.
 
-Each run is the real stage script (torchrun for ddp, Lightning's own launcher for lit) at the same
+Each run is the real stage script (torchrun for ddp and fsdp, Lightning's own launcher for lit) at the same
 global batch; the figure is the median tokens/s of the steps after a warm-up. Speedup = tok/s with
 2 processes / tok/s with 1; efficiency = speedup / 2. One process uses every core through PyTorch's
 intra-op threads; with 2 processes each gets one thread (torchrun sets OMP_NUM_THREADS=1, and this
@@ -27,7 +27,7 @@ TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 
 def launch(stage, processes):
     """(launcher, extra flags, environment) of a stage at a number of processes."""
-    if stage == "ddp" and processes > 1:
+    if stage in ("ddp", "fsdp") and processes > 1:
         return [TORCHRUN, "--standalone", f"--nproc-per-node={processes}"], [], None
     if stage == "lit":
         threads = {"OMP_NUM_THREADS": "1"} if processes > 1 else {}
@@ -45,10 +45,10 @@ def main():
     args = parser.parse_args()
     if not (Path(args.data) / "meta.json").exists():
         data.prepare_builtin(args.data)
-    result = {"benchmark": "ddp and lit stages, 1 and 2 processes", "preset": args.preset,
+    result = {"benchmark": "ddp, fsdp and lit stages, 1 and 2 processes", "preset": args.preset,
               "steps": args.steps, "warmup_steps": args.warmup, "date": time.strftime("%Y-%m-%d"),
               "machine": machine()}
-    for stage in ("ddp", "lit"):
+    for stage in ("ddp", "fsdp", "lit"):
         result[stage] = {}
         for processes in (1, 2):
             launcher, flags, env = launch(stage, processes)
