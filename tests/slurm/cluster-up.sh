@@ -65,6 +65,8 @@ SlurmctldHost=localhost
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# a requeued job may start again once its old credentials expire: 20 s here, not 120
+AuthInfo=cred_expire=20
 CredType=cred/munge
 MailProg=/bin/true
 SlurmctldPort=6817
