@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from coursekit import KIT_ROOT, KitError, presets
+from coursekit import KIT_ROOT, KitError, presets, stages
 
 TOPOLOGY = re.compile(r"^(\d+)n(\d+)g$")
 VENDORS = ("nvidia", "amd", "none")
@@ -111,12 +111,6 @@ def parse_topology(text, path, gpus_per_node):
         raise KitError(f"{path}: topology {text} asks for {topology.gpus} GPUs per node; "
                        f"'gpus_per_node' is {gpus_per_node}")
     return topology
-
-
-def stages(root=KIT_ROOT):
-    """The stage scripts present in solutions/, by name."""
-    return sorted(p.stem.removeprefix("train_gpt2_")
-                  for p in (Path(root) / "solutions").glob("train_gpt2_*.py"))
 
 
 def topologies_for(stage, profile):
@@ -252,7 +246,7 @@ def expected_files(site, root=KIT_ROOT):
     """{path relative to the kit's root: text} of every batch file of a site."""
     profile = load_site(site, root)
     files = {f"batchfiles/{site}/batch-data.sh": data_job(profile)}
-    for stage in stages(root):
+    for stage in stages.names(root):
         for topology in topologies_for(stage, profile):
             files[f"batchfiles/{site}/batch-{stage}-{topology.name}.sh"] = \
                 training_job(stage, topology, profile)

@@ -10,13 +10,17 @@ def script_path(stage, root=KIT_ROOT):
     return Path(root) / "solutions" / f"train_gpt2_{stage}.py"
 
 
+def names(root=KIT_ROOT):
+    """The stages whose scripts are in solutions/, sorted."""
+    return sorted(p.stem.removeprefix("train_gpt2_")
+                  for p in (Path(root) / "solutions").glob("train_gpt2_*.py"))
+
+
 def load(stage, root=KIT_ROOT):
     """Import solutions/train_gpt2_<stage>.py as the module ``train_gpt2_<stage>``."""
     path = script_path(stage, root)
     if not path.exists():
-        stages = sorted(p.stem.removeprefix("train_gpt2_")
-                        for p in (Path(root) / "solutions").glob("train_gpt2_*.py"))
-        raise KitError(f"no stage {stage!r}: stages in solutions/ are {', '.join(stages)}")
+        raise KitError(f"no stage {stage!r}: stages in solutions/ are {', '.join(names(root))}")
     spec = importlib.util.spec_from_file_location(path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
