@@ -30,7 +30,8 @@ class Step:
         return f"{self.source}-{self.target}"
 
 
-LADDER = [Step("std", "ddp", "02-ddp"), Step("ddp", "lit", "03-lightning")]
+LADDER = [Step("std", "ddp", "02-ddp"), Step("ddp", "lit", "03-lightning"),
+          Step("ddp", "fsdp", "04-model-parallelism")]
 CONTEXT_LINES = 3
 HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 DEFINITION = re.compile(r"^\s*(def|class) ")

@@ -19,15 +19,27 @@ they split over the N ranks (the ZeRO paper's stages):
     fsdp    optimiser state, gradients and parameters (FSDP, DeepSpeed stage 3); the parameters of
             one block at a time are gathered whole while it runs
 
+Model-parallel strategies split the model itself, so activations shrink too:
+
+    tp      tensor parallelism (Megatron-style, with sequence parallelism): every matrix and both
+            embeddings are split N ways; LayerNorms and the biases added after a row-wise split
+            are replicated; activations are split N ways along the sequence or the width
+    pp      pipeline parallelism: N stages of consecutive blocks; the first stage also holds the
+            embeddings, the last the final norm and its own copy of the tied output matrix. The
+            busiest stage decides whether the model fits; with 1F1B the first stage keeps the
+            activations of N microbatches in flight
+
 Activations are what forward keeps for backward; they grow with micro-batch x sequence length,
 not with the world size. Activation checkpointing keeps only each block's input and recomputes
 the rest during backward.
 """
+import functools
 from dataclasses import dataclass
 
 from coursekit import KitError
 
-STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
+DATA_PARALLEL = ("ddp", "zero1", "zero2", "fsdp")  # each shards one more part than the last
+STRATEGIES = DATA_PARALLEL + ("tp", "pp")
 PRECISIONS = ("fp32", "bf16-mixed")
 DEVICE_GB = (40, 64, 80, 141)  # A100 40 GB, A100 64 GB / MI250X GCD, A100/H100 80 GB, H200
 ADAM_STATES = 2  # m and v, fp32
@@ -53,38 +65,89 @@ class Model:
         return 12 * d * d + 13 * d
 
     @property
+    def embedding_parameters(self):
+        """Token embeddings (shared with the output head) and positions."""
+        return (self.vocab_size + self.block_size) * self.n_embd
+
+    @property
     def parameters(self):
         """Token embeddings (shared with the output head), positions, the blocks, a final norm."""
+        return self.embedding_parameters + self.n_layer * self.block_parameters + 2 * self.n_embd
+
+    def tensor_parallel_parameters(self, tp):
+        """Parameters one of ``tp`` ranks holds: the matrices, the biases of column-wise layers
+        (q, k, v and the MLP's first layer: 7 d per block) and the embeddings are split; the
+        LayerNorms (4 d per block, 2 d at the end) and the row-wise layers' biases (2 d) are not."""
         d = self.n_embd
-        return self.vocab_size * d + self.block_size * d + self.n_layer * self.block_parameters + 2 * d
+        split = self.embedding_parameters + self.n_layer * (12 * d * d + 7 * d)
+        return split / tp + self.n_layer * 6 * d + 2 * d
+
+    def pipeline_stage_parameters(self, stages):
+        """Parameters of each of ``stages`` pipeline stages. Blocks are shared out as evenly as
+        possible, earlier stages taking one more; the first stage adds the embeddings, the last
+        the final norm and, when it is not also the first, a copy of the tied output matrix."""
+        if not 1 <= stages <= self.n_layer:
+            raise KitError(f"{stages} pipeline stages: use 1 to {self.n_layer}, one block or "
+                           "more per stage")
+        blocks = [self.n_layer // stages + (i < self.n_layer % stages) for i in range(stages)]
+        counts = [n * self.block_parameters for n in blocks]
+        counts[0] += self.embedding_parameters
+        counts[-1] += 2 * self.n_embd + (self.vocab_size * self.n_embd if stages > 1 else 0)
+        return counts
 
 
-def activation_bytes(model, micro_batch, seq_len, precision, activation_checkpointing=False):
-    """What forward keeps for backward, per rank (Korthikanti et al. 2022, with flash attention,
-    which stores no T x T attention matrix): about 34 values per token and width per block in
-    16-bit training, twice the bytes in fp32. The logits (fp32 for the loss) come on top. With
-    checkpointing, each block keeps its input only, and one block's activations exist at a time
-    during recomputation."""
+def activation_bytes(model, micro_batch, seq_len, precision, activation_checkpointing=False,
+                     blocks=None, logits=True):
+    """What forward keeps for backward (Korthikanti et al. 2022, with flash attention, which
+    stores no T x T attention matrix): about 34 values per token and width per block in 16-bit
+    training, twice the bytes in fp32, for ``blocks`` blocks (default: all of them). The logits
+    (fp32 for the loss) come on top. With checkpointing, each block keeps its input only, and one
+    block's activations exist at a time during recomputation."""
+    blocks = model.n_layer if blocks is None else blocks
     scale = 1 if precision == "bf16-mixed" else 2  # 34 counts 2-byte values
     tokens_width = micro_batch * seq_len * model.n_embd
     per_block = 34 * tokens_width * scale
     if activation_checkpointing:
-        blocks = model.n_layer * 2 * tokens_width * scale + per_block
+        kept = blocks * 2 * tokens_width * scale + per_block
     else:
-        blocks = model.n_layer * per_block
-    logits = micro_batch * seq_len * model.vocab_size * 4 * 2  # the logits and their softmax
-    return blocks + logits
+        kept = blocks * per_block
+    return kept + (micro_batch * seq_len * model.vocab_size * 4 * 2 if logits else 0)
 
 
 def per_rank_bytes(model, strategy, world_size, precision="fp32", micro_batch=1, seq_len=None,
                    activation_checkpointing=False):
-    """{part: bytes} that one of ``world_size`` ranks holds under ``strategy``, and the total."""
+    """{part: bytes} that one of ``world_size`` ranks holds under ``strategy`` (for pp, the
+    busiest stage), and the total."""
     if strategy not in STRATEGIES:
         raise KitError(f"strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
     if precision not in PRECISIONS:
         raise KitError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
+    if not isinstance(world_size, int) or world_size < 1:
+        raise KitError(f"world size {world_size!r}: use a whole number of ranks, 1 or more")
+    activations = functools.partial(activation_bytes, model, micro_batch,
+                                    seq_len or model.block_size, precision,
+                                    activation_checkpointing)
+    if strategy in DATA_PARALLEL:
+        parts = data_parallel_bytes(model, DATA_PARALLEL.index(strategy), world_size, precision)
+        parts["activations"] = activations()
+    elif strategy == "tp":  # sequence parallel: every activation is split N ways too
+        parts = replicated_bytes(model.tensor_parallel_parameters(world_size), precision)
+        parts["activations"] = activations() / world_size
+    else:
+        stages = model.pipeline_stage_parameters(world_size)
+        parts = replicated_bytes(max(stages), precision)
+        # 1F1B: the first stage holds its blocks' activations for `world_size` microbatches
+        first_blocks = -(-model.n_layer // world_size)
+        parts["activations"] = world_size * activations(blocks=first_blocks,
+                                                        logits=world_size == 1)
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def data_parallel_bytes(model, level, world_size, precision):
+    """ZeRO level 0 (ddp) to 3 (fsdp): how many of optimiser state, gradients and parameters are
+    split over the ranks."""
     n = model.parameters
-    level = STRATEGIES.index(strategy)  # 0 ddp ... 3 fsdp: how many parts are sharded
     share = lambda sharded: 1 / world_size if sharded else 1  # noqa: E731
     parts = {
         "params": 4 * n * share(level >= 3),
@@ -93,9 +156,14 @@ def per_rank_bytes(model, strategy, world_size, precision="fp32", micro_batch=1,
     }
     if precision == "bf16-mixed":  # bf16 copies to compute with: all of them, or a block's worth
         parts["params"] += 2 * (model.block_parameters if level >= 3 else n)
-    parts["activations"] = activation_bytes(model, micro_batch, seq_len or model.block_size,
-                                            precision, activation_checkpointing)
-    parts["total"] = sum(parts.values())
+    return parts
+
+
+def replicated_bytes(n, precision):
+    """A rank that holds ``n`` parameters whole, with their gradients and Adam state."""
+    parts = {"params": 4 * n, "grads": 4 * n, "optimizer": 4 * ADAM_STATES * n}
+    if precision == "bf16-mixed":
+        parts["params"] += 2 * n
     return parts
 
 
