@@ -1,7 +1,8 @@
-"""Tokens per second of the ddp, fsdp and lit stages with 1 and 2 processes on this machine.
+"""Tokens per second of the ddp, fsdp, tp, pp and lit stages with 1 and 2 processes on this machine.
 
-Each run is the real stage script (torchrun for ddp and fsdp, Lightning's own launcher for lit) at the same
-global batch; the figure is the median tokens/s of the steps after a warm-up. Speedup = tok/s with
+Each run is the real stage script (torchrun for ddp, fsdp, tp and pp, Lightning's own launcher for
+lit) at the same global batch (tp: one tensor-parallel group of 2; pp: 2 stages, 1F1B, as many
+microbatches as the preset's minibatch holds); the figure is the median tokens/s of the steps after a warm-up. Speedup = tok/s with
 2 processes / tok/s with 1; efficiency = speedup / 2. One process uses every core through PyTorch's
 intra-op threads; with 2 processes each gets one thread (torchrun sets OMP_NUM_THREADS=1, and this
 benchmark does the same for Lightning), so on a CPU-only machine the processes compete for the same
@@ -23,11 +24,12 @@ from coursekit import KIT_ROOT, data, runs
 
 RESULTS = KIT_ROOT / "benchmarks" / "results" / "scaling.json"
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")
+TORCHRUN_STAGES = ("ddp", "fsdp", "tp", "pp")
 
 
 def launch(stage, processes):
     """(launcher, extra flags, environment) of a stage at a number of processes."""
-    if stage in ("ddp", "fsdp") and processes > 1:
+    if stage in TORCHRUN_STAGES and processes > 1:
         return [TORCHRUN, "--standalone", f"--nproc-per-node={processes}"], [], None
     if stage == "lit":
         threads = {"OMP_NUM_THREADS": "1"} if processes > 1 else {}
@@ -45,10 +47,10 @@ def main():
     args = parser.parse_args()
     if not (Path(args.data) / "meta.json").exists():
         data.prepare_builtin(args.data)
-    result = {"benchmark": "ddp, fsdp and lit stages, 1 and 2 processes", "preset": args.preset,
+    result = {"benchmark": "ddp, fsdp, tp, pp and lit stages, 1 and 2 processes", "preset": args.preset,
               "steps": args.steps, "warmup_steps": args.warmup, "date": time.strftime("%Y-%m-%d"),
               "machine": machine()}
-    for stage in ("ddp", "fsdp", "lit"):
+    for stage in (*TORCHRUN_STAGES, "lit"):
         result[stage] = {}
         for processes in (1, 2):
             launcher, flags, env = launch(stage, processes)

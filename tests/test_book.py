@@ -56,6 +56,9 @@ EXECUTED_OUTPUTS = {
     "02-ddp": ["max |all-reduced - whole batch| =", "strong scaling: speedup",
                "final validation loss"],
     "03-lightning": ["ddp_notebook:", "resumed run identical to the uninterrupted one: True"],
+    "04-model-parallelism": ["fsdp on 4 processes: largest loss difference from ddp",
+                             "| 2 | params |", "checkpointing:", "bubble predicted 0.33, measured",
+                             "tp on 2 processes"],
 }
 
 

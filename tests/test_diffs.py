@@ -122,7 +122,7 @@ def test_status_from_the_command_line(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["status"], "error: diffs status needs --lesson (one of 02-ddp, 03-lightning)"),
+    (["status"], "error: diffs status needs --lesson (one of 02-ddp, 03-lightning, 04-model-parallelism)"),
     (["status", "--lesson", "09-nothing"], "error: no diff belongs to lesson '09-nothing'"),
     (["apply", "--lesson", "02-ddp"], "error: diffs apply needs --hunk N"),
     (["status", "--lesson", "02-ddp", "--file", "/nonexistent/train_gpt2.py"],

@@ -1,0 +1,468 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 04 · Model parallelism: FSDP, tensor and pipeline parallelism
+#
+# **Objectives.** After this lesson you can
+# - add up the memory of training (parameters, gradients, optimiser state, activations) in bytes
+#   per parameter, and say which part outgrows a GPU first;
+# - say what DDP, ZeRO-1/2/3 (FSDP), tensor parallelism (TP) and pipeline parallelism (PP) each
+#   split across the GPUs, and what each sends over the network;
+# - turn the DDP script into the FSDP2 script hunk by hunk, and check your copy;
+# - predict the bytes each rank holds and compare them with what the runs measure;
+# - trade memory for time with activation checkpointing, and measure the trade;
+# - compute a pipeline's bubble $(p-1)/(m+p-1)$ and measure it against the number of
+#   microbatches;
+# - choose a strategy, or a combination, from a model's size and a batch's shape.
+#
+# **Prerequisites.** Lesson 02: ranks, all-reduce, the global batch, `torchrun`.
+#
+# **Time.** 90 minutes.
+
+# %%
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+import torch
+from IPython.display import Markdown, display
+
+from coursekit import KIT_ROOT, data, diffs, memory, presets, runs, widgets
+
+DATA = KIT_ROOT / "data" / "builtin"
+if not (DATA / "meta.json").exists():  # the offline corpus: built in seconds, once
+    data.prepare_builtin(DATA)
+TORCHRUN = str(Path(sys.executable).parent / "torchrun")  # installed next to this kernel's python
+tiny = presets.get_preset("tiny")
+TINY, GPT2 = memory.Model.from_preset(tiny), memory.Model.from_preset(presets.get_preset("gpt2-124m"))
+GPUS = torch.cuda.device_count()
+print(f"torch {torch.__version__}; GPUs visible: {GPUS}")
+
+# %% [markdown]
+# ## When one GPU is not enough
+#
+# Training keeps four things in memory:
+#
+# $$\text{memory} = \underbrace{\text{parameters} + \text{gradients} + \text{optimiser state}}_{\text{grow with the model}} + \underbrace{\text{activations}}_{\text{grow with batch} \times \text{sequence}}$$
+#
+# With AdamW the optimiser keeps two numbers per parameter (the running mean and variance of the
+# gradient), in fp32. Per parameter, in bytes:
+#
+# | precision | parameters | gradients | Adam $m, v$ | total |
+# |---|---|---|---|---|
+# | fp32 | 4 | 4 | 8 | **16** |
+# | bf16 mixed | 4 (fp32 master) + 2 (bf16 copy) | 4 (reduced in fp32) | 8 | **18** |
+#
+# Mixed precision saves activation memory and time, not parameter memory: the fp32 master weights
+# and the optimiser stay. GPT-2 124M needs about 2 GB for these three parts, which is nothing on
+# an 80 GB GPU; a 7-billion-parameter model needs about 126 GB, which fits no single GPU.
+#
+# **Activations** are what forward keeps for backward: about $34\,b\,T\,d$ values per block for
+# a micro-batch of $b$ samples of $T$ tokens and width $d$ (Korthikanti et al., 2022, with flash
+# attention), plus the logits, $b \times T \times$ vocabulary. They do not depend on the number of
+# parameters, and data parallelism never splits them: only a smaller micro-batch, **activation
+# checkpointing** (keep each block's input, recompute the rest in backward) or a model-parallel
+# split makes them smaller.
+
+# %%
+for name, model in (("tiny", TINY), ("GPT-2 124M", GPT2), ("GPT-2 1.5B", widgets.MODELS["GPT-2 1.5B"]),
+                    ("7B shape", widgets.MODELS["7B shape"])):
+    ddp = memory.per_rank_bytes(model, "ddp", 1, "bf16-mixed", micro_batch=8, seq_len=1024)
+    states = ddp["params"] + ddp["grads"] + ddp["optimizer"]
+    print(f"{name:11s} {model.parameters / 1e9:6.2f} B parameters: params + grads + Adam "
+          f"{states / 1e9:7.1f} GB, activations (8 x 1024 tokens) {ddp['activations'] / 1e9:6.1f} GB")
+
+# %% [markdown]
+# ## What each strategy splits, and what it sends
+#
+# $N$ GPUs can share the work in different ways. The **ZeRO** stages (Rajbhandari et al., 2020)
+# keep data parallelism (every rank runs the whole model on its own samples) but stop every rank
+# from storing everything:
+#
+# | strategy | split across the $N$ ranks | sent per step, per rank | where it shines |
+# |---|---|---|---|
+# | DDP | nothing | all-reduce of the gradients ($\approx 2\times$ their size) | the model fits: simplest, fastest |
+# | ZeRO-1 | optimiser state | reduce-scatter gradients, all-gather parameters ($\approx 2\times$) | optimiser state is the biggest part |
+# | ZeRO-2 | + gradients | the same | |
+# | **FSDP** (ZeRO-3) | + parameters: every rank holds $1/N$ of everything | all-gather each block's parameters in forward **and** backward, reduce-scatter gradients ($\approx 3\times$) | the model does not fit; the default choice |
+# | **tensor parallel** (TP) | every matrix, by columns or rows; activations too | all-reduces (or all-gather + reduce-scatter) of activations, twice per block, forward and backward | one layer or its activations are too big; inside a node (NVLink) |
+# | **pipeline parallel** (PP) | consecutive blocks: stage $s$ holds blocks of its own | each microbatch's activations, sent to the next stage (and gradients back) | many nodes on a slow network; very deep models |
+#
+# TP and PP cut the activations too, because each rank computes only part of each layer (TP) or
+# only some layers (PP); FSDP cuts only the parameter, gradient and optimiser memory. Large
+# trainings combine them: **2-D** (FSDP across nodes × TP inside a node) or **3-D** (with PP).
+#
+# **Exercise 1.** Write `bytes_per_rank(n_params, strategy, world_size)`: a dictionary with the
+# fp32 bytes of `"params"`, `"grads"` and `"optimizer"` (Adam's two states) that one of
+# `world_size` ranks holds under `"ddp"`, `"zero1"`, `"zero2"` or `"fsdp"`.
+
+# %% nbgrader={"grade": false, "grade_id": "zero_bytes", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def bytes_per_rank(n_params, strategy, world_size):
+    ### BEGIN SOLUTION
+    level = ["ddp", "zero1", "zero2", "fsdp"].index(strategy)
+    share = lambda sharded: 1 / world_size if sharded else 1  # noqa: E731
+    return {"params": 4 * n_params * share(level >= 3),
+            "grads": 4 * n_params * share(level >= 2),
+            "optimizer": 8 * n_params * share(level >= 1)}
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "zero_bytes_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+assert bytes_per_rank(1000, "ddp", 4) == {"params": 4000, "grads": 4000, "optimizer": 8000}
+assert bytes_per_rank(1000, "fsdp", 4) == {"params": 1000, "grads": 1000, "optimizer": 2000}
+### BEGIN HIDDEN TESTS
+assert bytes_per_rank(1000, "zero1", 8) == {"params": 4000, "grads": 4000, "optimizer": 1000}
+assert bytes_per_rank(1000, "zero2", 2) == {"params": 4000, "grads": 2000, "optimizer": 4000}
+for strategy in memory.DATA_PARALLEL:
+    expected = memory.per_rank_bytes(GPT2, strategy, 16)
+    got = bytes_per_rank(GPT2.parameters, strategy, 16)
+    assert all(abs(got[part] - expected[part]) < 1e-3 for part in got), strategy
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ### A memory calculator
+#
+# Move the controls: which strategy, how many ranks and which micro-batch make a model fit on
+# 40, 64, 80 or 141 GB devices (a tenth of each is left to the CUDA context, the allocator and
+# communication buffers)? Try the 7B shape on one GPU with DDP, then FSDP on 8, then activation
+# checkpointing; then GPT-2 124M at a sequence of 8,192 tokens. The numbers come from
+# `coursekit.memory`, the arithmetic above.
+
+# %%
+widgets.memory_calculator()
+
+# %% [markdown]
+# **Exercise 2.** Write `smallest_world_size(model, strategy, device_gb, micro_batch, seq_len)`:
+# the smallest number of ranks, from 1 to 1,024, on which `memory.per_rank_bytes(model,
+# strategy, ranks, "bf16-mixed", micro_batch, seq_len)` fits a device of `device_gb` GB
+# (`memory.fits`), or `None` if none does. For `"pp"` the ranks cannot outnumber the blocks.
+
+# %% nbgrader={"grade": false, "grade_id": "smallest_world", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def smallest_world_size(model, strategy, device_gb, micro_batch, seq_len):
+    ### BEGIN SOLUTION
+    largest = model.n_layer if strategy == "pp" else 1024
+    for ranks in range(1, largest + 1):
+        total = memory.per_rank_bytes(model, strategy, ranks, "bf16-mixed", micro_batch,
+                                      seq_len)["total"]
+        if memory.fits(total)[device_gb]:
+            return ranks
+    return None
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "smallest_world_tests", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+assert smallest_world_size(GPT2, "fsdp", 80, 8, 1024) == 1
+seven_b = widgets.MODELS["7B shape"]
+assert smallest_world_size(seven_b, "ddp", 80, 1, 4096) is None  # DDP never splits the model
+### BEGIN HIDDEN TESTS
+assert smallest_world_size(seven_b, "fsdp", 80, 1, 4096) == 3
+assert smallest_world_size(seven_b, "fsdp", 40, 1, 4096) == 7  # activations do not shrink
+assert smallest_world_size(seven_b, "tp", 40, 1, 4096) == 4  # activations split too
+assert smallest_world_size(seven_b, "pp", 40, 1, 4096) == 8
+assert smallest_world_size(widgets.MODELS["70B shape"], "pp", 40, 1, 4096) is None
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## From `train_gpt2_ddp.py` to `train_gpt2_fsdp.py`, hunk by hunk
+#
+# FSDP2 (`torch.distributed.fsdp.fully_shard`) turns each parameter into a **DTensor** sharded
+# along its first dimension over a **device mesh** of the $N$ ranks. `fully_shard(block)` makes
+# one block a unit: just before the block runs, its shards are **all-gathered** into whole
+# parameters, and freed again after; in backward they are gathered once more, and the gradients
+# are **reduce-scattered** so that each rank keeps the gradient of its own shard. The optimiser
+# then updates only local shards. Sharding every block, then the root (the embeddings and final
+# norm), means only one block's parameters are whole at a time.
+#
+# The diff `diffs/ddp-fsdp.patch`:
+#
+# 1. the docstring; 2–3. imports: `torch.distributed.checkpoint` (DCP), `fully_shard`, the mesh;
+# 4. a process group also for one process (a group of one, in memory), so one code path shards;
+# 5. `apply_activation_checkpointing` and `apply_fsdp`: shard every block, then the root; bf16
+#    gathers on GPUs (`MixedPrecisionPolicy`), optional CPU offload;
+# 6. checkpoints: **every** rank writes its shards in parallel with DCP, rank 0 publishes the
+#    checkpoint; loading reshards, so a checkpoint of 2 ranks resumes on 1 or 4; a per-rank
+#    memory report;
+# 7. the new flags; 8. `apply_fsdp` replaces the DDP wrapper;
+# 9. `set_requires_gradient_sync` replaces `no_sync`; the gradient norm of a sharded model is a
+#    DTensor, whole after `full_tensor()`;
+# 10. every rank saves (its shards) and generates (forward needs every rank's shards).
+
+# %%
+LESSON = "04-model-parallelism"
+working_copy = diffs.start_working_copy(LESSON)
+patch_text = diffs.patch_path(diffs.step_for_lesson(LESSON)).read_text()
+added, removed = diffs.counts(patch_text)
+print(f"{working_copy.name}: {len(working_copy.read_text().splitlines())} lines; "
+      f"the patch adds {added} and removes {removed}")
+for hunk in diffs.hunks(LESSON):
+    display(Markdown(f"**hunk {hunk.number}**\n```diff\n{hunk.text}\n```"))
+
+# %% [markdown]
+# Edit `train_gpt2.py` in this folder one hunk at a time, then run the next cell (or
+# `python -m coursekit diffs status --lesson 04-model-parallelism` in a terminal): every hunk is
+# reported **applied**, **not yet applied** or **conflicting**, with the lines that differ.
+# `python -m coursekit diffs apply --lesson 04-model-parallelism --hunk N` applies one for you.
+
+# %%
+print(diffs.report(LESSON, diffs.status(LESSON)))
+
+# %% [markdown]
+# ## FSDP on 2 and 4 processes: the same model, a share of the memory each
+#
+# The runs below use the finished scripts in `solutions/`. Each rank of the FSDP stage writes
+# `memory.json`: the bytes of the parameter, gradient and optimiser shards it holds, and its peak
+# memory (the CUDA allocator's on a GPU, the process's resident set on a CPU). With fewer GPUs
+# than processes the runs use CPU processes and gloo.
+
+# %%
+RUNS = Path("runs")
+
+
+def launch(stage, processes, name, *flags, steps=6, preset="tiny"):
+    """Run a stage script on `processes` processes (GPUs if there are enough, else CPU ones) and
+    return (metrics, the per-rank memory report or None)."""
+    out = RUNS / name
+    shutil.rmtree(out, ignore_errors=True)  # a fresh run each time the cell runs
+    device = "auto" if GPUS >= processes else "cpu"
+    command = [TORCHRUN, "--standalone", f"--nproc-per-node={processes}",
+               str(KIT_ROOT / "solutions" / f"train_gpt2_{stage}.py"), "--preset", preset,
+               "--device", device, "--data", str(DATA), "--out", str(out),
+               "--max-steps", str(steps), "--eval-interval", str(steps), "--sample-tokens", "0",
+               *map(str, flags)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0:
+        raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
+    report = out / "memory.json"
+    return runs.read_metrics(out), runs.read_json(report) if report.exists() else None
+
+
+ddp_run, _ = launch("ddp", 2, "ddp-2")
+fsdp_runs = {n: launch("fsdp", n, f"fsdp-{n}", *(["--micro-batch", 1] if n == 4 else []))
+             for n in (2, 4)}
+for n, (metrics, _) in fsdp_runs.items():
+    gap = max(abs(a["loss"] - b["loss"]) for a, b in zip(metrics, ddp_run))
+    print(f"fsdp on {n} processes: largest loss difference from ddp on 2 over {len(metrics)} "
+          f"steps: {gap:.1e}")
+
+# %% [markdown]
+# Now the prediction against the measurement. `coursekit.memory` predicts each rank's bytes from
+# the model's shape alone; the runs report the bytes of the tensors each rank really holds.
+
+# %%
+MiB = 2**20
+rows = ["| processes | part | predicted MiB per rank | measured MiB (each rank) |", "|---|---|---|---|"]
+for n, (_, reports) in fsdp_runs.items():
+    predicted = memory.per_rank_bytes(TINY, "fsdp", n)
+    for part in ("params", "grads", "optimizer"):
+        measured = ", ".join(f"{r[part] / MiB:.2f}" for r in reports)
+        rows.append(f"| {n} | {part} | {predicted[part] / MiB:.2f} | {measured} |")
+    peaks = ", ".join(f"{r['peak'] / MiB:.0f}" for r in reports)
+    rows.append(f"| {n} | peak ({reports[0]['peak_kind']}) | | {peaks} |")
+display(Markdown("\n".join(rows)))
+
+# %% [markdown]
+# The shards agree with the arithmetic to within FSDP's padding (each parameter's first
+# dimension is rounded up to a multiple of $N$). The peak is much larger than the shards: on a
+# CPU it counts the whole Python process (PyTorch itself, the data, the gathered blocks and the
+# activations), and for the tiny model the logits ($b \times T \times 50{,}304$ floats, and their
+# gradient) dwarf the weights. On a GPU, with a large model, the shards are the big part.
+#
+# ### Activation checkpointing: memory for time
+#
+# With `--activation-checkpointing` each block keeps only its input in forward, and runs its
+# forward again during backward: about a third more compute for much less activation memory. We
+# measure it on the `small` preset (6 blocks, 384 wide, 256-token samples), one microbatch of 4
+# samples per step, where the blocks' activations are large enough to see in the process's peak.
+
+# %%
+small = presets.get_preset("small")
+SMALL = memory.Model.from_preset(small)
+trade = {}
+for flag in ([], ["--activation-checkpointing"]):
+    metrics, reports = launch("fsdp", 1, "ckpt" if flag else "no-ckpt", "--micro-batch", 4,
+                              "--batch-tokens", 4 * small.seq_len, *flag, steps=4, preset="small")
+    predicted = memory.activation_bytes(SMALL, 4, small.seq_len, "fp32", bool(flag))
+    trade["checkpointing" if flag else "plain"] = (
+        statistics.median(r["ms"] for r in metrics[1:]), reports[0]["peak"], predicted)
+for label, (ms, peak, predicted) in trade.items():
+    print(f"{label:14s} {ms:7.0f} ms/step | peak {peak / MiB:6.0f} MiB | predicted activations "
+          f"{predicted / MiB:5.0f} MiB")
+(plain_ms, plain_peak, plain_act), (ckpt_ms, ckpt_peak, ckpt_act) = trade.values()
+print(f"checkpointing: {ckpt_ms / plain_ms:.2f}x the time, peak {(plain_peak - ckpt_peak) / MiB:+.0f} MiB "
+      f"lower (predicted saving {(plain_act - ckpt_act) / MiB:.0f} MiB)")
+
+# %% [markdown]
+# ## Tensor parallelism: splitting every matrix
+#
+# A linear layer $Y = XW$ can be split two ways over $N$ ranks (Shoeybi et al., 2019, Megatron-LM):
+#
+# - **column-wise**: rank $r$ holds columns $W_{:,r}$ and computes $Y_{:,r} = X W_{:,r}$; every
+#   rank needs the whole input $X$, and each ends with a slice of the output;
+# - **row-wise**: rank $r$ holds rows $W_{r,:}$ and a slice of the input, computes a partial
+#   product, and the partial products are **summed** across ranks (an all-reduce).
+#
+# A transformer block pairs them: q, k, v and the MLP's first layer column-wise (each rank gets
+# whole attention heads and a slice of the hidden layer), the two output projections row-wise. So
+# each block needs one all-reduce in attention and one in the MLP, in forward and again in
+# backward. **Sequence parallelism** splits the LayerNorms and residual additions along the
+# sequence instead, turning each all-reduce into a reduce-scatter plus an all-gather, the same
+# traffic, with activations split $N$ ways everywhere.
+#
+# This traffic sits on the critical path of every layer, which is why TP stays inside a node,
+# on NVLink, and FSDP goes across nodes. `solutions/train_gpt2_tp.py` does both: `--tp N` ranks
+# per tensor-parallel group (default: the processes of a node), FSDP over the groups. Its model
+# has separate q, k, v projections: a column-wise split of GPT-2's fused `c_attn` would hand rank
+# 0 all of q and half of k. The plan is a dictionary from module names to `ColwiseParallel`,
+# `RowwiseParallel` and `SequenceParallel`, applied with `parallelize_module`:
+
+# %%
+tp_stage = (KIT_ROOT / "solutions" / "train_gpt2_tp.py").read_text()
+plan = tp_stage[tp_stage.index("def apply_tp"):]
+print(plan[:plan.index("\n\n\n")])
+
+# %%
+tp_run, tp_reports = launch("tp", 2, "tp-2", "--tp", 2)
+print(f"tp on 2 processes: largest loss difference from ddp over {len(tp_run)} steps: "
+      f"{max(abs(a['loss'] - b['loss']) for a, b in zip(tp_run, ddp_run)):.1e}")
+predicted = 4 * TINY.tensor_parallel_parameters(2)
+measured = ", ".join(f"{r['params'] / MiB:.2f}" for r in tp_reports)
+print(f"parameters per rank: predicted {predicted / MiB:.2f} MiB, measured {measured} MiB")
+
+# %% [markdown]
+# ## Pipeline parallelism and its bubble
+#
+# Pipeline parallelism gives each of $p$ ranks a **stage**: a run of consecutive blocks. A
+# microbatch flows forward through the stages, then its gradient flows back. With one microbatch
+# only one stage works at a time. Splitting the minibatch into $m$ microbatches lets the stages
+# work on different microbatches at once; still, at the start of a step the later stages wait
+# for their first input, and at the end the earlier stages wait for their last gradient. That
+# idle time is the **bubble**. With every stage taking the same time $t$ per microbatch, a step
+# takes $(m + p - 1)\,t$ instead of $m\,t$, so the idle fraction is
+#
+# $$\text{bubble} = \frac{p - 1}{m + p - 1}.$$
+#
+# Two schedules are offered by `solutions/train_gpt2_pp.py` (`--schedule`), both from
+# `torch.distributed.pipelining`: **GPipe** runs all forwards, then all backwards (it keeps
+# the activations of all $m$ microbatches); **1F1B** alternates one forward and one backward
+# once the pipeline is full, with the same bubble but at most $p$ microbatches' activations in
+# flight. More microbatches shrink the bubble, but smaller microbatches use a GPU less well.
+#
+# **Exercise 3.** Write `bubble_fraction(stages, microbatches)`, and `predicted_step_time(
+# busy_time, stages, microbatches)`: the step time of a pipeline whose stages would each be busy
+# for `busy_time` if there were no bubble.
+
+# %% nbgrader={"grade": false, "grade_id": "bubble", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def bubble_fraction(stages, microbatches):
+    ### BEGIN SOLUTION
+    return (stages - 1) / (microbatches + stages - 1)
+    ### END SOLUTION
+
+
+def predicted_step_time(busy_time, stages, microbatches):
+    ### BEGIN SOLUTION
+    return busy_time / (1 - bubble_fraction(stages, microbatches))
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "bubble_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+assert bubble_fraction(4, 1) == 0.75
+assert bubble_fraction(1, 8) == 0.0
+assert abs(predicted_step_time(8.0, 2, 8) - 9.0) < 1e-12
+### BEGIN HIDDEN TESTS
+assert abs(bubble_fraction(8, 24) - 7 / 31) < 1e-12
+assert abs(predicted_step_time(1.0, 4, 4) - 7 / 4) < 1e-12
+### END HIDDEN TESTS
+
+# %% [markdown]
+# Now the measurement. Each step trains on 16 samples of 128 tokens, split into $m$ = 1, 2, 4
+# or 8 microbatches, with the GPipe schedule (1F1B has the same bubble; it needs at least as
+# many microbatches as stages). For each $m$ we time the same work on **one** process (a pipeline of one
+# stage: no bubble, one thread) and on **two** (two stages, one thread each). Without a bubble
+# and without communication, two stages would take half the time of one; the measured bubble
+# is what is left: $1 - (t_1 / 2) / t_2$.
+
+# %%
+PIPELINE_BATCH = 16 * tiny.seq_len  # tokens per step
+STAGES = 2
+bubble = {}
+for m in (1, 2, 4, 8):
+    times = []
+    for processes in (1, STAGES):
+        metrics, _ = launch("pp", processes, f"pp-{processes}-m{m}", "--batch-tokens", PIPELINE_BATCH,
+                            "--microbatches", m, "--schedule", "gpipe", steps=5)
+        times.append(statistics.median(r["ms"] for r in metrics[2:]))
+    one, two = times
+    bubble[m] = (bubble_fraction(STAGES, m), 1 - (one / STAGES) / two, one, two)
+    print(f"m = {m}: one stage {one:6.0f} ms, two stages {two:6.0f} ms -> bubble predicted "
+          f"{bubble[m][0]:.2f}, measured {bubble[m][1]:.2f}")
+
+fig, ax = plt.subplots(figsize=(6, 3.5))
+ms = list(bubble)
+ax.plot(ms, [bubble[m][0] for m in ms], "o-", label="predicted (p-1)/(m+p-1)")
+ax.plot(ms, [bubble[m][1] for m in ms], "s--", label="measured 1 - (t1/p)/tp")
+ax.set_xscale("log", base=2)
+ax.set_xlabel("microbatches m")
+ax.set_ylabel("idle fraction")
+ax.set_title(f"pipeline of {STAGES} stages, GPipe")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# The measured idle fraction follows the prediction's shape but stays above it: besides the
+# bubble it holds the time the stages spend sending activations to each other and the overhead
+# of many small microbatches, which the formula leaves out. On GPUs the same experiment shows
+# the trade directly: more microbatches, a smaller bubble, until the microbatches get too small
+# to keep a GPU busy.
+#
+# ## Choosing a strategy
+#
+# 1. **It fits on one GPU** with a useful micro-batch (the calculator says so): DDP. Nothing is
+#    faster, and everything else is harder to debug.
+# 2. **The parameters, gradients and optimiser state do not fit**: FSDP (ZeRO-3). It costs about
+#    1.5× DDP's traffic and hides most of it behind compute; ZeRO-1/2 if only the optimiser or
+#    gradients are the problem.
+# 3. **Activations do not fit** even at micro-batch 1 (long sequences): activation
+#    checkpointing first, then TP with sequence parallelism (or context parallelism) inside a node.
+# 4. **Thousands of GPUs, or a slow network between nodes**: add TP inside nodes (2-D) and PP
+#    across groups of nodes (3-D); PP sends only activations at stage boundaries, which a slow
+#    network can carry, but needs many microbatches per step to keep its bubble small.
+#
+# ## Under Slurm
+#
+# `batchfiles/<site>/batch-fsdp-*.sh`, `batch-tp-*.sh` and `batch-pp-*.sh` start these stages
+# on one or more nodes exactly like the DDP stage: `srun torchrun` with one torchrun per node. A
+# pre-empted FSDP or TP job writes a sharded DCP checkpoint and resumes on the same or another
+# number of GPUs.
+
+# %% [markdown]
+# ## Key points
+#
+# - Training memory = parameters + gradients + optimiser state (16 bytes per parameter with
+#   Adam in fp32, 18 with bf16 mixed precision) + activations (growing with micro-batch ×
+#   sequence, not with the number of GPUs in data parallelism).
+# - ZeRO-1/2/3 split the optimiser state, then the gradients, then the parameters over the
+#   data-parallel ranks; FSDP2's `fully_shard` is ZeRO-3, gathering one block's parameters at a
+#   time, and its DCP checkpoints resume on any number of ranks.
+# - Tensor parallelism splits every matrix (column-wise then row-wise) and the activations, at
+#   the price of collectives inside every block: keep it inside a node.
+# - Pipeline parallelism splits the layers; its bubble $(p-1)/(m+p-1)$ shrinks with more
+#   microbatches; 1F1B keeps fewer activations in flight than GPipe.
+# - Activation checkpointing trades about a third more compute for much less activation memory.
+# - Predict with the arithmetic, then measure: per-rank bytes and step times tell you whether a
+#   strategy did what you paid for.

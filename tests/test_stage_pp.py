@@ -1,0 +1,144 @@
+"""The pp stage: a pipeline step's loss and gradients equal a single process's for every schedule;
+2 stages train like DDP, keep the two copies of the tied embedding equal, hold their own parts of
+the model, and resume from a checkpoint; one process needs no launcher; bad layouts are refused."""
+import json
+
+import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from conftest import run_stage
+from coursekit import KIT_ROOT, runs
+from test_stage_ddp import torchrun
+from test_stage_fsdp import checkpoint_at_step_5, losses
+
+pytestmark = pytest.mark.stages
+PP_SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_pp.py"
+DDP_SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_ddp.py"
+SCHEDULES = ["gpipe", "1f1b"]
+STEPS = ["--preset", "tiny", "--max-steps", "10", "--eval-interval", "5", "--ckpt-interval", "5",
+         "--device", "cpu"]
+TINY_PARAMETER_BYTES = 3_427_712 * 4  # fp32
+TIED_MATRIX_BYTES = 50_304 * 64 * 4  # the token embedding = the output head, vocab x width
+
+
+@pytest.mark.parametrize("nproc, schedule", [(2, "gpipe"), (2, "1f1b"), (4, "1f1b")])
+def test_a_pipeline_step_equals_the_single_process_step(nproc, schedule):
+    result = torchrun(nproc, KIT_ROOT / "tests" / "helpers" / "pp_check.py", PP_SCRIPT,
+                      schedule, 4)
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert (report["world_size"], report["schedule"]) == (nproc, schedule)
+    assert report["names_covered_once"] and report["names_missing"] == []
+    for difference in ("max_loss_diff", "max_logits_diff", "max_grad_diff", "grad_norm_diff"):
+        assert report[difference] <= 1e-5, report
+
+
+@pytest.fixture(scope="module")
+def ddp_two(builtin_data, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp2")
+    torchrun(2, DDP_SCRIPT, *STEPS, "--sample-tokens", "0", "--data", builtin_data, "--out", out)
+    return runs.read_metrics(out)
+
+
+@pytest.fixture(scope="module")
+def pp_two(builtin_data, tmp_path_factory):
+    """10 steps of a 2-stage pipeline with each schedule, ending with an 8-token sample:
+    {schedule: (run directory, stdout)}."""
+    two = {}
+    for schedule in SCHEDULES:
+        out = tmp_path_factory.mktemp(f"pp2-{schedule}")
+        result = torchrun(2, PP_SCRIPT, *STEPS, "--schedule", schedule, "--sample-tokens", "8",
+                          "--data", builtin_data, "--out", out)
+        two[schedule] = out, result.stdout
+    return two
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_two_stages_train_like_ddp(pp_two, ddp_two, schedule):
+    out, stdout = pp_two[schedule]
+    assert (f"pipeline: 2 stages, schedule {schedule}, 2 microbatches of 4 samples; rank 0 holds "
+            "blocks 0-1 + embeddings; rank 1 holds blocks 2-3 + final norm + head") in stdout
+    assert stdout.count("step 1/10 ") == 1  # only rank 0 prints
+    pp = runs.read_metrics(out)
+    assert [r["step"] for r in pp] == list(range(1, 11))
+    assert losses(pp) == pytest.approx(losses(ddp_two), abs=1e-4)
+
+
+def stage_checkpoint(run_dir, step, tmp_path):
+    """The checkpoint's state, every rank's stage in one nested dict (read without a process
+    group; plain tensors, no code unpickled)."""
+    path = tmp_path / f"step_{step}.pt"
+    dcp_to_torch_save(run_dir / "ckpt" / f"step_{step:08d}", path)
+    return torch.load(path, weights_only=True)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_two_copies_of_the_tied_embedding_stay_equal(pp_two, tmp_path, schedule):
+    out, _ = pp_two[schedule]
+    state = stage_checkpoint(out, 10, tmp_path)
+    model, optimizer = state["model"], state["optimizer"]
+    assert torch.equal(model["transformer.wte.weight"], model["lm_head.weight"])  # rank 0, 1
+    for moment in ("exp_avg", "exp_avg_sq"):  # the same gradients went into both
+        assert torch.equal(optimizer[f"state.transformer.wte.weight.{moment}"],
+                           optimizer[f"state.lm_head.weight.{moment}"])
+
+
+def test_each_rank_holds_its_stage(pp_two):
+    out, stdout = pp_two["1f1b"]
+    reports = runs.read_json(out / "memory.json")
+    assert len(reports) == 2
+    # the stages hold the whole model between them, and the tied matrix twice
+    assert sum(r["params"] for r in reports) == TINY_PARAMETER_BYTES + TIED_MATRIX_BYTES
+    for rank, report in enumerate(reports):
+        assert report["params"] > TIED_MATRIX_BYTES
+        assert report["grads"] == report["params"]
+        assert report["optimizer"] == pytest.approx(2 * report["params"], rel=0.01)  # Adam: m, v
+        assert report["peak"] > report["params"] and report["peak_kind"] == "RSS"
+        assert f"rank {rank} | params " in stdout
+
+
+def test_resume_continues_the_same_pipeline(pp_two, builtin_data, tmp_path):
+    out, _ = pp_two["1f1b"]  # one schedule is enough: the checkpoints do not depend on it
+    copy = checkpoint_at_step_5(out, tmp_path / "run")
+    result = torchrun(2, PP_SCRIPT, *STEPS, "--schedule", "1f1b", "--sample-tokens", "0",
+                      "--resume", "--data", builtin_data, "--out", copy)
+    assert f"resumed from {copy / 'ckpt' / 'step_00000005'} at step 5" in result.stdout
+    resumed, reference = runs.read_metrics(copy), runs.read_metrics(out)
+    assert [r["step"] for r in resumed] == list(range(1, 11))
+    assert losses(resumed[5:]) == pytest.approx(losses(reference[5:]), abs=1e-5)
+
+
+def test_one_process_needs_no_launcher(builtin_data, tmp_path, ddp_two, pp_two):
+    """A pipeline of one stage (a group of one, in memory), here with activation checkpointing:
+    it trains like DDP and samples the text that the 2-stage pipeline sampled."""
+    two_stage_run, _ = pp_two["gpipe"]
+    result = run_stage("train_gpt2_pp.py", *STEPS, "--sample-tokens", "8",
+                       "--activation-checkpointing", "--data", builtin_data, "--out", tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Warning" not in result.stderr, result.stderr  # no noise at exit
+    assert "pipeline: 1 stages" in result.stdout
+    assert losses(runs.read_metrics(tmp_path)) == pytest.approx(losses(ddp_two), abs=1e-4)
+    assert (tmp_path / "sample.txt").read_text() == (two_stage_run / "sample.txt").read_text()
+
+
+def test_microbatches_that_do_not_divide_the_minibatch_are_refused(builtin_data, tmp_path):
+    result = run_stage("train_gpt2_pp.py", "--preset", "tiny", "--microbatches", "3",
+                       "--data", builtin_data, "--out", tmp_path)
+    assert result.returncode == 2
+    assert ("error: --microbatches 3 does not divide the minibatch: 1,024 tokens / 128-token "
+            "samples = 8 samples") in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("nproc, flags, message", [
+    (5, [], "error: 5 processes for a 4-block model: a pipeline has at most one stage per "
+            "block, so use 1 to 4 processes"),
+    (2, ["--schedule", "1f1b", "--microbatches", "1"],
+     "error: --schedule 1f1b needs at least one microbatch per stage: --microbatches 1 < 2 "
+     "stages (raise it, or --schedule gpipe)"),
+])
+def test_pipelines_torch_cannot_run_are_refused(builtin_data, tmp_path, nproc, flags, message):
+    result = torchrun(nproc, PP_SCRIPT, "--preset", "tiny", *flags, "--data", builtin_data,
+                      "--out", tmp_path, check=False)
+    assert result.returncode != 0 and message in result.stderr
+    assert f'File "{PP_SCRIPT}"' not in result.stderr  # a message, not the script's traceback
