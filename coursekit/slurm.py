@@ -11,6 +11,10 @@ How the stages start (DESIGN.md section 6):
           --nproc-per-node G, c10d rendezvous on the allocation's first host, port from the job id;
           launcher srun: one task per GPU, srun python, so that Slurm binds each task to the
           cores next to its GPU (LUMI's CPU-binding masks)
+The model-parallel stages need two processes or more: tp runs tensor parallelism inside a node
+(--tp: the most GPUs of a node that divide the attention heads) and FSDP across the groups; pp
+runs one pipeline stage per process, at most one per transformer block, with at least as many
+microbatches per step as stages.
 Every training job asks Slurm for SIGUSR1 before its time limit (--signal=B:USR1@S), passes it on
 to the training processes, which checkpoint and exit, and requeues itself; `--resume` continues.
 """
@@ -114,10 +118,37 @@ def parse_topology(text, path, gpus_per_node):
 
 
 def topologies_for(stage, profile):
-    """std trains on one device; every other stage on each of the site's topologies."""
+    """std trains on one device; tp and pp on the site's topologies of two processes or more
+    (pp: one block per stage at least); every other stage on each of the site's topologies."""
     if stage == "std":
         return [Topology(1, 1)]
+    if stage == "tp":
+        return [t for t in profile["topologies"] if t.processes >= 2]
+    if stage == "pp":
+        blocks = presets.get_preset(profile["preset"]).n_layer
+        return [t for t in profile["topologies"] if 2 <= t.processes <= blocks]
     return profile["topologies"]
+
+
+def tensor_parallel_size(profile, topology):
+    """The largest number of a node's GPUs that splits the attention heads evenly."""
+    heads = presets.get_preset(profile["preset"]).n_head
+    return max(n for n in range(1, topology.gpus + 1) if topology.gpus % n == 0 and heads % n == 0)
+
+
+def model_parallel_flags(stage, profile, topology):
+    """The stage's flags for the processes the job runs, and the data-parallel replicas left."""
+    if stage == "tp":
+        tp = tensor_parallel_size(profile, topology)
+        return [f"--tp {tp}"], topology.processes // tp
+    if stage == "pp":  # every process is a stage: one replica, at least a microbatch per stage
+        preset = presets.get_preset(profile["preset"])
+        samples = preset.batch_tokens // preset.seq_len
+        default = samples // preset.micro_batch
+        microbatches = min(m for m in range(max(default, topology.processes), samples + 1)
+                           if samples % m == 0)
+        return ([f"--microbatches {microbatches}"] if microbatches != default else []), 1
+    return [], topology.processes
 
 
 # --- the text of a batch file -------------------------------------------------------------------
@@ -135,12 +166,12 @@ def sbatch_lines(profile, job_name, nodes, tasks_per_node, cpus_per_task, gpus=0
     return [f"#SBATCH {line}" for line in lines]
 
 
-def batch_split_flags(profile, topology):
-    """Flags that make the preset's minibatch split evenly over the processes. A smaller
-    micro-batch keeps the recipe (the same tokens per step, only the memory changes); when none
-    fits, the minibatch grows to the next multiple of micro-batch x sequence x processes."""
+def batch_split_flags(profile, replicas):
+    """Flags that make the preset's minibatch split evenly over the data-parallel replicas. A
+    smaller micro-batch keeps the recipe (the same tokens per step, only the memory changes); when
+    none fits, the minibatch grows to the next multiple of micro-batch x sequence x replicas."""
     preset = presets.get_preset(profile["preset"])
-    per_sample = preset.seq_len * topology.processes
+    per_sample = preset.seq_len * replicas
     for micro in range(preset.micro_batch, 0, -1):
         if preset.batch_tokens % (micro * per_sample) == 0:
             return "" if micro == preset.micro_batch else f"--micro-batch {micro}"
@@ -165,7 +196,9 @@ def launch_command(stage, profile, topology, run_dir):
                     "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
     args = [f"solutions/train_gpt2_{stage}.py --preset {profile['preset']} "
             f"--data {profile['data']} --out {run_dir} --resume"]
-    extra = batch_split_flags(profile, topology).split() + profile["train_args"].split()
+    parallel, replicas = model_parallel_flags(stage, profile, topology)
+    extra = (" ".join(parallel).split() + batch_split_flags(profile, replicas).split()
+             + profile["train_args"].split())
     if profile["gpu_vendor"] == "none":
         extra += ["--device", "cpu"]
     if stage == "lit":

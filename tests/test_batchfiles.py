@@ -37,8 +37,8 @@ def test_every_stage_and_topology_has_a_file():
         profile = slurm.load_site(site)
         names = {p.split("/")[-1] for p in BATCH_FILES if p.split("/")[1] == site}
         expected = {"batch-data.sh", "batch-std-1n1g.sh"} | {
-            f"batch-{stage}-{t.name}.sh" for stage in ("ddp", "fsdp", "lit")
-            for t in profile["topologies"]}
+            f"batch-{stage}-{t.name}.sh" for stage in ("ddp", "fsdp", "lit", "tp", "pp")
+            for t in slurm.topologies_for(stage, profile)}
         assert expected <= names
 
 
@@ -51,11 +51,24 @@ def test_batch_files_pass_shellcheck():
 
 def test_a_minibatch_that_does_not_split_gets_a_smaller_micro_batch_or_a_larger_minibatch():
     profile = slurm.load_site("ci")  # tiny: 1,024 tokens per step, microbatch 4 x 128 tokens
-    assert slurm.batch_split_flags(profile, slurm.Topology(1, 2)) == ""
-    assert slurm.batch_split_flags(profile, slurm.Topology(2, 2)) == "--micro-batch 2"
+    assert slurm.batch_split_flags(profile, 2) == ""
+    assert slurm.batch_split_flags(profile, 4) == "--micro-batch 2"
     assert "--micro-batch 2" in slurm.training_job("ddp", slurm.Topology(2, 2), profile)
     # 12 processes: no micro-batch splits 1,024 tokens; the minibatch grows to 4 x 128 x 12
-    assert slurm.batch_split_flags(profile, slurm.Topology(6, 2)) == "--batch-tokens 6144"
+    assert slurm.batch_split_flags(profile, 12) == "--batch-tokens 6144"
+
+
+def test_model_parallel_stages_get_their_split_and_only_shapes_they_can_run():
+    ci, lumi = slurm.load_site("ci"), slurm.load_site("lumi")  # tiny: 4 heads, 4 blocks
+    assert [t.name for t in slurm.topologies_for("tp", ci)] == ["1n2g", "2n1g", "2n2g"]
+    # GPT-2's 12 heads split over 4 of a LUMI node's 8 GCDs; its 12 blocks over 8 stages, not 16
+    assert "--tp 4 " in slurm.training_job("tp", slurm.Topology(1, 8), lumi)
+    assert [t.name for t in slurm.topologies_for("pp", lumi)] == ["1n2g", "1n4g", "1n8g"]
+    # ci 2n2g: tp 2 inside each node, so 2 replicas: the preset's micro-batch of 4 still splits
+    assert "--tp 2 --max-steps" in slurm.training_job("tp", slurm.Topology(2, 2), ci)
+    # 4 stages need 4 microbatches: the 8 samples of a step go 2 at a time
+    assert "--microbatches 4 --max-steps" in slurm.training_job("pp", slurm.Topology(2, 2), ci)
+    assert "--microbatches" not in slurm.training_job("pp", slurm.Topology(1, 2), ci)
 
 
 def test_the_srun_launcher_starts_one_bound_task_per_gpu():

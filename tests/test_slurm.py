@@ -167,7 +167,9 @@ def test_every_shape_trains_the_same_model(finished):
     losses = {name: [r["loss"] for r in metrics] for name, (_, _, metrics, _) in finished.items()}
     for name in ("batch-std-1n1g.sh", "batch-ddp-1n1g.sh", "batch-ddp-2n1g.sh", "batch-ddp-2n2g.sh",
                  SRUN_LAUNCHED, "batch-fsdp-1n2g.sh", "batch-fsdp-2n1g.sh", "batch-fsdp-2n2g.sh",
-                 "batch-lit-1n2g.sh", "batch-lit-2n1g.sh", "batch-lit-2n2g.sh"):
+                 "batch-lit-1n2g.sh", "batch-lit-2n1g.sh", "batch-lit-2n2g.sh",
+                 "batch-tp-1n2g.sh", "batch-tp-2n1g.sh", "batch-tp-2n2g.sh",
+                 "batch-pp-1n2g.sh", "batch-pp-2n1g.sh", "batch-pp-2n2g.sh"):
         assert losses[name] == pytest.approx(losses["batch-ddp-1n2g.sh"], abs=1e-4), name
 
 
