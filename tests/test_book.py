@@ -58,7 +58,7 @@ EXECUTED_OUTPUTS = {
     "03-lightning": ["ddp_notebook:", "resumed run identical to the uninterrupted one: True"],
     "04-model-parallelism": ["fsdp on 4 processes: largest loss difference from ddp",
                              "| 2 | params |", "checkpointing:", "bubble predicted 0.33, measured",
-                             "tp on 2 processes"],
+                             "tp on 2 processes", "pp on 2 processes (1F1B)"],
 }
 
 

@@ -33,17 +33,23 @@
 # **Time.** 90 minutes.
 
 # %%
+import ctypes
+import ctypes.util
+import gc
+import json
 import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import matplotlib.pyplot as plt
+import psutil
 import torch
 from IPython.display import Markdown, display
 
-from coursekit import KIT_ROOT, data, diffs, memory, presets, runs, widgets
+from coursekit import KIT_ROOT, data, diffs, memory, presets, runs, stages, widgets
 
 DATA = KIT_ROOT / "data" / "builtin"
 if not (DATA / "meta.json").exists():  # the offline corpus: built in seconds, once
@@ -286,28 +292,67 @@ display(Markdown("\n".join(rows)))
 # ### Activation checkpointing: memory for time
 #
 # With `--activation-checkpointing` each block keeps only its input in forward, and runs its
-# forward again during backward: about a third more compute for much less activation memory. We
-# measure it on the `small` preset (6 blocks, 384 wide, 256-token samples), one microbatch of 4
-# samples per step, where the blocks' activations are large enough to see in the process's peak.
+# forward again during backward: about a third more block compute for much less activation
+# memory. The process's peak says little about activations (it holds everything else too), so
+# we measure them directly, in this notebook: the memory a forward pass leaves behind for
+# backward (the GPU allocator's count on a GPU; on a CPU the process's resident memory, after
+# handing freed memory back to the system), with and without checkpointing, on the `small`
+# preset's shape (6 blocks, 384 wide, 256-token samples), and the time of forward + backward.
 
 # %%
+fsdp = stages.load("fsdp")  # the stage script's model and its apply_activation_checkpointing
 small = presets.get_preset("small")
 SMALL = memory.Model.from_preset(small)
+device = torch.device("cuda" if GPUS else "cpu")
+release_freed_memory = getattr(ctypes.CDLL(ctypes.util.find_library("c")), "malloc_trim", None)
+
+
+def memory_in_use():
+    gc.collect()
+    if device.type == "cuda":
+        return torch.cuda.memory_allocated()
+    if release_freed_memory:  # glibc keeps freed pages; give them back so RSS counts live tensors
+        release_freed_memory(0)
+    return psutil.Process().memory_info().rss
+
+
+def activations_and_time(checkpointing, micro_batch=8):
+    """(bytes that forward keeps for backward, seconds of forward + backward)."""
+    torch.manual_seed(0)
+    model = fsdp.GPT(fsdp.GPTConfig(vocab_size=small.vocab_size, block_size=small.seq_len,
+                                    n_layer=small.n_layer, n_head=small.n_head,
+                                    n_embd=small.n_embd)).to(device)
+    if checkpointing:
+        fsdp.apply_activation_checkpointing(model)
+    x = torch.randint(0, data.EOT_TOKEN, (micro_batch, small.seq_len), device=device)
+    model(x, x)[1].backward()  # a first pass allocates gradients and warms up the kernels
+    before = memory_in_use()
+    start = time.perf_counter()
+    _, loss = model(x, x)
+    held = memory_in_use() - before
+    loss.backward()
+    return held, time.perf_counter() - start
+
+
 trade = {}
-for flag in ([], ["--activation-checkpointing"]):
-    metrics, reports = launch("fsdp", 1, "ckpt" if flag else "no-ckpt", "--micro-batch", 4,
-                              "--batch-tokens", 4 * small.seq_len, *flag, steps=4, preset="small")
-    predicted = memory.activation_bytes(SMALL, 4, small.seq_len, "fp32", bool(flag))
-    trade["checkpointing" if flag else "plain"] = (
-        statistics.median(r["ms"] for r in metrics[1:]), reports[0]["peak"], predicted)
-for label, (ms, peak, predicted) in trade.items():
-    print(f"{label:14s} {ms:7.0f} ms/step | peak {peak / MiB:6.0f} MiB | predicted activations "
-          f"{predicted / MiB:5.0f} MiB")
-(plain_ms, plain_peak, plain_act), (ckpt_ms, ckpt_peak, ckpt_act) = trade.values()
-print(f"checkpointing: {ckpt_ms / plain_ms:.2f}x the time, peak {(plain_peak - ckpt_peak) / MiB:+.0f} MiB "
-      f"lower (predicted saving {(plain_act - ckpt_act) / MiB:.0f} MiB)")
+for checkpointing in (False, True):
+    held, seconds = activations_and_time(checkpointing)
+    predicted = memory.activation_bytes(SMALL, 8, small.seq_len, "fp32", checkpointing)
+    trade[checkpointing] = (held, seconds)
+    print(f"{'checkpointing' if checkpointing else 'plain':14s} forward keeps {held / MiB:5.0f} MiB "
+          f"(predicted {predicted / MiB:5.0f} MiB) | forward + backward {seconds * 1000:5.0f} ms")
+(plain_held, plain_s), (ckpt_held, ckpt_s) = trade.values()
+print(f"checkpointing: {ckpt_s / plain_s:.2f}x the time for {1 - ckpt_held / plain_held:.0%} "
+      f"less activation memory")
 
 # %% [markdown]
+# Compare each measurement with its prediction from `coursekit.memory`: the arithmetic of a few
+# lines should land within some percent of what forward really keeps. Most of what checkpointing
+# leaves is the logits ($8 \times 256 \times 50{,}304$ floats and their softmax), which
+# checkpointing the blocks does not touch. The time costs less than a third more here because the
+# output head, which is not recomputed, does most of this small model's arithmetic; on
+# GPT-2-sized blocks expect about a third more.
+#
 # ## Tensor parallelism: splitting every matrix
 #
 # A linear layer $Y = XW$ can be split two ways over $N$ ranks (Shoeybi et al., 2019, Megatron-LM):
@@ -390,45 +435,69 @@ assert abs(predicted_step_time(1.0, 4, 4) - 7 / 4) < 1e-12
 ### END HIDDEN TESTS
 
 # %% [markdown]
-# Now the measurement. Each step trains on 16 samples of 128 tokens, split into $m$ = 1, 2, 4
-# or 8 microbatches, with the GPipe schedule (1F1B has the same bubble; it needs at least as
-# many microbatches as stages). For each $m$ we time the same work on **one** process (a pipeline of one
-# stage: no bubble, one thread) and on **two** (two stages, one thread each). Without a bubble
-# and without communication, two stages would take half the time of one; the measured bubble
-# is what is left: $1 - (t_1 / 2) / t_2$.
+# First the pipeline stage itself, on 2 processes: each process holds a stage, the tied
+# embedding and output matrix live on both the first and the last stage (their gradients are
+# summed after backward, so the copies stay equal), and the losses must equal the DDP run's.
 
 # %%
-PIPELINE_BATCH = 16 * tiny.seq_len  # tokens per step
+pp_run, pp_reports = launch("pp", 2, "pp-2", "--schedule", "1f1b")
+print(f"pp on 2 processes (1F1B): largest loss difference from ddp over {len(pp_run)} steps: "
+      f"{max(abs(a['loss'] - b['loss']) for a, b in zip(pp_run, ddp_run)):.1e}")
+for rank, (report, n) in enumerate(zip(pp_reports, TINY.pipeline_stage_parameters(2))):
+    print(f"stage {rank}: parameters predicted {4 * n / MiB:.2f} MiB, measured "
+          f"{report['params'] / MiB:.2f} MiB")
+
+# %% [markdown]
+# Both stages hold about half of the bytes, but not half of the work. The tiny model's output
+# head multiplies every token by a $64 \times 50{,}304$ matrix, about 12 times the work of all four
+# blocks together, and it sits on the last stage: the first stage waits most of the time. That is
+# **imbalance**, the first thing a real pipeline split must fix (by giving the last stage fewer
+# blocks), and it would hide the bubble completely.
+#
+# To see the bubble itself, `bubble_demo.py` next to this notebook builds a pipeline of equal
+# stages: 8 identical layers, cut into one stage per process, trained with GPipe on 1,024
+# samples per step split into $m$ microbatches. It times the same steps on **one** process (one
+# stage: no bubble) and on **two** (two stages), each process computing with one thread. With
+# no bubble and no communication, two stages would take half the time of one; the measured idle
+# fraction is what is left: $1 - (t_1 / 2) / t_2$.
+
+# %%
+DEMO = KIT_ROOT / "notebooks" / "04-model-parallelism" / "bubble_demo.py"  # from any working folder
+MICROBATCHES = [1, 2, 4, 8, 16]
 STAGES = 2
-bubble = {}
-for m in (1, 2, 4, 8):
-    times = []
-    for processes in (1, STAGES):
-        metrics, _ = launch("pp", processes, f"pp-{processes}-m{m}", "--batch-tokens", PIPELINE_BATCH,
-                            "--microbatches", m, "--schedule", "gpipe", steps=5)
-        times.append(statistics.median(r["ms"] for r in metrics[2:]))
-    one, two = times
-    bubble[m] = (bubble_fraction(STAGES, m), 1 - (one / STAGES) / two, one, two)
-    print(f"m = {m}: one stage {one:6.0f} ms, two stages {two:6.0f} ms -> bubble predicted "
-          f"{bubble[m][0]:.2f}, measured {bubble[m][1]:.2f}")
+
+
+def demo_step_ms(processes):
+    """{microbatches: median ms per step} of the demo on `processes` stages."""
+    result = subprocess.run([TORCHRUN, "--standalone", f"--nproc-per-node={processes}", str(DEMO),
+                             *map(str, MICROBATCHES)], capture_output=True, text=True, check=True)
+    lines = [json.loads(line) for line in result.stdout.splitlines()]
+    return {line["microbatches"]: line["step_ms"] for line in lines}
+
+
+one, two = demo_step_ms(1), demo_step_ms(STAGES)
+bubble = {m: (bubble_fraction(STAGES, m), 1 - (one[m] / STAGES) / two[m]) for m in MICROBATCHES}
+for m, (predicted, measured) in bubble.items():
+    print(f"m = {m:2d}: one stage {one[m]:5.0f} ms, two stages {two[m]:5.0f} ms -> bubble "
+          f"predicted {predicted:.2f}, measured {measured:.2f}")
 
 fig, ax = plt.subplots(figsize=(6, 3.5))
-ms = list(bubble)
-ax.plot(ms, [bubble[m][0] for m in ms], "o-", label="predicted (p-1)/(m+p-1)")
-ax.plot(ms, [bubble[m][1] for m in ms], "s--", label="measured 1 - (t1/p)/tp")
+ax.plot(MICROBATCHES, [bubble[m][0] for m in MICROBATCHES], "o-", label="predicted (p-1)/(m+p-1)")
+ax.plot(MICROBATCHES, [bubble[m][1] for m in MICROBATCHES], "s--", label="measured 1 - (t1/p)/tp")
 ax.set_xscale("log", base=2)
 ax.set_xlabel("microbatches m")
 ax.set_ylabel("idle fraction")
-ax.set_title(f"pipeline of {STAGES} stages, GPipe")
+ax.set_title(f"pipeline of {STAGES} equal stages, GPipe")
 ax.legend()
 plt.show()
 
 # %% [markdown]
-# The measured idle fraction follows the prediction's shape but stays above it: besides the
-# bubble it holds the time the stages spend sending activations to each other and the overhead
-# of many small microbatches, which the formula leaves out. On GPUs the same experiment shows
-# the trade directly: more microbatches, a smaller bubble, until the microbatches get too small
-# to keep a GPU busy.
+# With one microbatch the measurement matches the prediction: one stage always waits for the
+# other. A few microbatches shrink the idle time, as predicted; with many, the measured idle
+# time grows again. Each microbatch is a send and a receive between processes and a smaller
+# matrix product, and those fixed costs, which the formula leaves out, add up. On GPUs the same
+# trade holds at a larger scale: enough microbatches to hide the bubble, few enough that each
+# still keeps a GPU busy.
 #
 # ## Choosing a strategy
 #
