@@ -516,8 +516,8 @@ plt.show()
 #
 # `batchfiles/<site>/batch-fsdp-*.sh`, `batch-tp-*.sh` and `batch-pp-*.sh` start these stages
 # on one or more nodes exactly like the DDP stage: `srun torchrun` with one torchrun per node. A
-# pre-empted FSDP or TP job writes a sharded DCP checkpoint and resumes on the same or another
-# number of GPUs.
+# pre-empted job writes a DCP checkpoint and its requeued run resumes from it; the FSDP stage's
+# checkpoints also resume on another number of GPUs.
 
 # %% [markdown]
 # ## Key points
