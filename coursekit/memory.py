@@ -82,15 +82,19 @@ class Model:
         split = self.embedding_parameters + self.n_layer * (12 * d * d + 7 * d)
         return split / tp + self.n_layer * 6 * d + 2 * d
 
-    def pipeline_stage_parameters(self, stages):
-        """Parameters of each of ``stages`` pipeline stages. Blocks are shared out as evenly as
-        possible, earlier stages taking one more; the first stage adds the embeddings, the last
-        the final norm and, when it is not also the first, a copy of the tied output matrix."""
+    def pipeline_stage_blocks(self, stages):
+        """Blocks of each of ``stages`` pipeline stages: as even as possible, earlier stages
+        taking one more (the last also runs the output head)."""
         if not 1 <= stages <= self.n_layer:
             raise KitError(f"{stages} pipeline stages: use 1 to {self.n_layer}, one block or "
                            "more per stage")
-        blocks = [self.n_layer // stages + (i < self.n_layer % stages) for i in range(stages)]
-        counts = [n * self.block_parameters for n in blocks]
+        return [self.n_layer // stages + (i < self.n_layer % stages) for i in range(stages)]
+
+    def pipeline_stage_parameters(self, stages):
+        """Parameters of each of ``stages`` pipeline stages: their blocks; the first stage adds
+        the embeddings, the last the final norm and, when it is not also the first, a copy of the
+        tied output matrix."""
+        counts = [n * self.block_parameters for n in self.pipeline_stage_blocks(stages)]
         counts[0] += self.embedding_parameters
         counts[-1] += 2 * self.n_embd + (self.vocab_size * self.n_embd if stages > 1 else 0)
         return counts
@@ -137,7 +141,7 @@ def per_rank_bytes(model, strategy, world_size, precision="fp32", micro_batch=1,
         stages = model.pipeline_stage_parameters(world_size)
         parts = replicated_bytes(max(stages), precision)
         # 1F1B: the first stage holds its blocks' activations for `world_size` microbatches
-        first_blocks = -(-model.n_layer // world_size)
+        first_blocks = model.pipeline_stage_blocks(world_size)[0]
         parts["activations"] = world_size * activations(blocks=first_blocks,
                                                         logits=world_size == 1)
     parts["total"] = sum(parts.values())
