@@ -14,6 +14,8 @@ INSTALLED := $(VENV)/.installed
 export TIKTOKEN_CACHE_DIR := $(CURDIR)/.cache/tiktoken
 TOKENIZER := $(TIKTOKEN_CACHE_DIR)/.complete
 BUILTIN_DATA := data/builtin/meta.json
+INSTRUCT_DATA := data/instruct/meta.json
+BASE_MODEL := models/kit-tiny/config.json
 
 .PHONY: setup book test test-fast lab assignments clean
 
@@ -32,14 +34,23 @@ $(TOKENIZER): $(INSTALLED)
 $(BUILTIN_DATA): $(INSTALLED) $(TOKENIZER)
 	$(BIN)/python -m coursekit data prepare --source builtin --out data/builtin
 
+$(INSTRUCT_DATA): $(INSTALLED)
+	$(BIN)/python -m coursekit instruct prepare --out data/instruct
+
+# The pretrained model lesson 05 fine-tunes: the std stage's tiny run, in Hugging Face format.
+$(BASE_MODEL): $(BUILTIN_DATA)
+	$(BIN)/python solutions/train_gpt2_std.py --preset tiny --data data/builtin --out runs/base-tiny \
+	  --sample-tokens 0 --resume
+	$(BIN)/python -m coursekit export-hf runs/base-tiny models/kit-tiny --force --untie
+
 # Execute every lesson (cached in _build/.jupyter_cache: unchanged lessons are not re-run) and
 # build the HTML book with warnings as errors.
-book: setup $(BUILTIN_DATA)
+book: setup $(BUILTIN_DATA) $(INSTRUCT_DATA) $(BASE_MODEL)
 	$(BIN)/python -m coursekit envcheck
 	$(BIN)/jupyter-book build . -W -n --keep-going
 	@echo "The book is in _build/html/index.html"
 
-test: setup
+test: setup $(INSTRUCT_DATA) $(BASE_MODEL)
 	$(BIN)/python -m pytest
 
 test-fast: setup
@@ -52,5 +63,5 @@ assignments: setup
 	$(BIN)/python -m coursekit assignments
 
 clean:
-	rm -rf $(VENV) .cache data runs release submitted autograded feedback gradebook.db _build \
+	rm -rf $(VENV) .cache data models runs release submitted autograded feedback gradebook.db _build \
 	  .pytest_cache notebooks/*/runs notebooks/*/train_gpt2.py

@@ -10,6 +10,8 @@
     diffs start | status --lesson L [--file F] a lesson's working copy, hunk by hunk
     diffs apply --lesson L --hunk N            apply one hunk to the working copy
     batchfiles --site S | --all | --check      Slurm batch files from batchfiles/sites/S.yml
+    export-hf RUN_DIR OUT_DIR [--force --untie] a std/ddp/fsdp run as a Hugging Face GPT-2 model
+    instruct prepare --out DIR                 the offline instruction-tuning tasks (lesson 05)
 """
 import argparse
 import json
@@ -89,6 +91,19 @@ def build_parser():
     which.add_argument("--all", action="store_true", help="every site profile")
     which.add_argument("--check", action="store_true",
                        help="fail if a committed batch file differs from the generator's output")
+
+    export_hf = commands.add_parser("export-hf", help="a run's newest checkpoint as a Hugging Face "
+                                                      "GPT-2 model directory")
+    export_hf.add_argument("run_dir", metavar="RUN_DIR", help="run directory of a std, ddp or "
+                                                              "fsdp run")
+    export_hf.add_argument("out_dir", metavar="OUT_DIR", help="where the model and tokenizer go")
+    export_hf.add_argument("--force", action="store_true", help="replace a non-empty OUT_DIR")
+    export_hf.add_argument("--untie", action="store_true",
+                           help="give the output head its own copy of the embedding matrix")
+
+    instruct = commands.add_parser("instruct", help="instruction-tuning data for fine-tuning")
+    instruct.add_argument("action", choices=["prepare"])
+    instruct.add_argument("--out", required=True, help="directory for train.jsonl and val.jsonl")
     return parser
 
 
@@ -172,9 +187,25 @@ def run_batchfiles(args):
     return 0
 
 
+def run_export_hf(args):
+    from coursekit import hfexport
+    record = hfexport.export(args.run_dir, args.out_dir, args.force, args.untie)
+    print(f"exported the {record['stage']} run {args.run_dir} at step {record['step']} to "
+          f"{args.out_dir}: load it with GPT2LMHeadModel.from_pretrained({args.out_dir!r})")
+
+
+def run_instruct(args):
+    from coursekit import instruct
+    meta = instruct.prepare(args.out)
+    counts = ", ".join(f"{split} {info['examples']:,} examples"
+                       for split, info in meta["splits"].items())
+    print(f"prepared the kit's instruction tasks ({', '.join(meta['tasks'])}) in {args.out}: "
+          f"{counts}")
+
+
 COMMANDS = {"envcheck": run_envcheck, "tokenizer": run_tokenizer, "data": run_data,
             "presets": run_presets, "assignments": run_assignments, "diffs": run_diffs,
-            "batchfiles": run_batchfiles}
+            "batchfiles": run_batchfiles, "export-hf": run_export_hf, "instruct": run_instruct}
 
 
 def main(argv=None):

@@ -15,6 +15,10 @@ The model-parallel stages need two processes or more: tp runs tensor parallelism
 (--tp: the most GPUs of a node that divide the attention heads) and FSDP across the groups; pp
 runs one pipeline stage per process, at most one per transformer block, with at least as many
 microbatches per step as stages.
+lora  Accelerate: one `accelerate launch` per node (srun bash -c, so that each node passes its own
+      $SLURM_NODEID as --machine_rank); the Accelerate config (DDP, FSDP, DeepSpeed ZeRO) is a
+      variable chosen at submission: sbatch --export=ALL,ACCELERATE_CONFIG=solutions/accelerate/
+      zero3.yaml batch-lora-2n4g.sh
 Every training job asks Slurm for SIGUSR1 before its time limit (--signal=B:USR1@S), passes it on
 to the training processes, which checkpoint and exit, and requeues itself; `--resume` continues.
 """
@@ -49,6 +53,7 @@ FIELDS = {
     "data": (str, "the prepared data directory, relative to the kit's root"),
     "data_command": (str, "the command that prepares it"),
     "train_args": (str, "extra stage-script flags, or empty"),
+    "finetune_args": (str, "extra flags of the lora stage (solutions/finetune_lora.py), or empty"),
     "signal_seconds": (int, "seconds before the time limit at which the job checkpoints"),
 }
 
@@ -180,13 +185,16 @@ def batch_split_flags(profile, replicas):
 
 
 def one_task_per_gpu(stage, profile):
-    """Does srun start every training process itself (rather than one torchrun per node)?"""
-    return stage in ("std", "lit") or profile["launcher"] == "srun"
+    """Does srun start every training process itself (rather than one launcher per node)?"""
+    return stage in ("std", "lit") or (profile["launcher"] == "srun" and stage != "lora")
 
 
 def launch_command(stage, profile, topology, run_dir):
     """The job step, one shell line per part, continued with backslashes."""
     srun = " ".join(["srun", profile["srun_args"]]).strip()
+    if stage == "lora":  # one task per node: a site's per-GPU binding (launcher srun) fits not
+        return accelerate_command("srun" if profile["launcher"] == "srun" else srun, profile,
+                                  topology, run_dir)
     if one_task_per_gpu(stage, profile):  # the processes read their rank from Slurm's variables
         launcher = [f"{srun} python"]
     else:  # torchrun passes SIGUSR1 on to its workers: they checkpoint and exit
@@ -206,6 +214,35 @@ def launch_command(stage, profile, topology, run_dir):
     if extra:
         args.append(" ".join(extra))
     return " \\\n    ".join(launcher + args)
+
+
+def accelerate_command(srun, profile, topology, run_dir):
+    """One `accelerate launch` per node; the single quotes keep $SLURM_NODEID for each node's
+    shell. Accelerate's embedded torchrun forwards SIGUSR1 to the workers (PET_SIGNALS_TO_HANDLE,
+    exported by the job), as `torchrun --signals-to-handle` does for the other stages."""
+    launch = [f"{srun} bash -c 'accelerate launch --config_file \"$ACCELERATE_CONFIG\"",
+              f"--num_machines {topology.nodes} --num_processes {topology.processes} "
+              '--machine_rank "$SLURM_NODEID"',
+              '--main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT"']
+    args = [f"solutions/finetune_lora.py --preset {profile['preset']} --data data/instruct "
+            f"--out {run_dir} --resume"]
+    if profile["finetune_args"]:
+        args.append(profile["finetune_args"])
+    return ("# shellcheck disable=SC2016  # each node's shell expands them, not this one\n"
+            + " \\\n    ".join(launch + args) + "'")
+
+
+def finetune_environment(topology):
+    """What the lora stage's job exports: its Accelerate config, offline hub access."""
+    config = "single" if topology.processes == 1 else "ddp"
+    return ["# the Accelerate config: ddp, fsdp, zero2 or zero3 for 2 processes or more, e.g.",
+            "#   sbatch --export=ALL,ACCELERATE_CONFIG=solutions/accelerate/zero3.yaml <this file>",
+            f'export ACCELERATE_CONFIG="${{ACCELERATE_CONFIG:-solutions/accelerate/{config}.yaml}}"',
+            "# compute nodes are often offline: the model and data set come from the hub cache,",
+            "# filled beforehand on a login node (README: fine-tuning on a cluster)",
+            "export HF_HUB_OFFLINE=1",
+            "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+            ""]
 
 
 def header(description, profile, site):
@@ -240,6 +277,7 @@ def training_job(stage, topology, profile):
               'echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST, '
               'rendezvous $MASTER_ADDR:$MASTER_PORT"',
               "",
+              *(finetune_environment(topology) if stage == "lora" else []),
               "# Slurm sends SIGUSR1 to this shell before the time limit: pass it on to the training",
               "# processes (every step of the job), let them checkpoint and exit, then requeue.",
               "preempted=0",
@@ -279,7 +317,7 @@ def expected_files(site, root=KIT_ROOT):
     """{path relative to the kit's root: text} of every batch file of a site."""
     profile = load_site(site, root)
     files = {f"batchfiles/{site}/batch-data.sh": data_job(profile)}
-    for stage in stages.names(root):
+    for stage in [*stages.names(root), "lora"]:
         for topology in topologies_for(stage, profile):
             files[f"batchfiles/{site}/batch-{stage}-{topology.name}.sh"] = \
                 training_job(stage, topology, profile)

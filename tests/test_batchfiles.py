@@ -37,7 +37,7 @@ def test_every_stage_and_topology_has_a_file():
         profile = slurm.load_site(site)
         names = {p.split("/")[-1] for p in BATCH_FILES if p.split("/")[1] == site}
         expected = {"batch-data.sh", "batch-std-1n1g.sh"} | {
-            f"batch-{stage}-{t.name}.sh" for stage in ("ddp", "fsdp", "lit", "tp", "pp")
+            f"batch-{stage}-{t.name}.sh" for stage in ("ddp", "fsdp", "lit", "tp", "pp", "lora")
             for t in slurm.topologies_for(stage, profile)}
         assert expected <= names
 
@@ -83,6 +83,19 @@ def test_the_torchrun_launcher_starts_one_task_per_node_with_all_its_gpus():
     assert "#SBATCH --ntasks-per-node=1\n#SBATCH --cpus-per-task=32\n#SBATCH --gres=gpu:4\n" in leonardo
     assert "srun torchrun --nnodes=2 --nproc-per-node=4" in leonardo
     assert "export OMP_NUM_THREADS=$((SLURM_CPUS_PER_TASK / 4)) " in leonardo
+
+
+def test_the_lora_stage_starts_one_accelerate_launch_per_node():
+    """Each node passes its own rank (single quotes: expanded on the node); the config is chosen
+    at submission; LUMI's per-GCD binding masks stay off the one task that holds all 8 GCDs."""
+    lumi = (KIT_ROOT / "batchfiles" / "lumi" / "batch-lora-2n8g.sh").read_text()
+    assert "#SBATCH --ntasks-per-node=1\n#SBATCH --cpus-per-task=56\n" in lumi
+    assert "srun bash -c 'accelerate launch" in lumi and "mask_cpu" not in lumi
+    assert '--num_machines 2 --num_processes 16 --machine_rank "$SLURM_NODEID"' in lumi
+    assert 'ACCELERATE_CONFIG="${ACCELERATE_CONFIG:-solutions/accelerate/ddp.yaml}"' in lumi
+    assert "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1" in lumi
+    single = (KIT_ROOT / "batchfiles" / "lumi" / "batch-lora-1n1g.sh").read_text()
+    assert "solutions/accelerate/single.yaml" in single
 
 
 @pytest.mark.parametrize("edit, message", [

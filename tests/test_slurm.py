@@ -13,7 +13,10 @@ from coursekit import KIT_ROOT, data, runs, slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 CI_FILES = sorted(p.name for p in (KIT_ROOT / "batchfiles" / "ci").glob("*.sh"))
-TRAINING_FILES = [name for name in CI_FILES if name != "batch-data.sh"]
+TRAINING_FILES = [name for name in CI_FILES
+                  if name != "batch-data.sh" and not name.startswith("batch-lora")]
+LORA_FILES = [name for name in CI_FILES if name.startswith("batch-lora")]
+LORA_STEPS = int(re.search(r"--max-steps (\d+)", slurm.load_site("ci")["finetune_args"]).group(1))
 # The ddp stage started by srun, one task per process (the launcher of sites that bind each task
 # to its cores, such as LUMI), generated into the test's folder: 2 nodes x 2 tasks
 SRUN_LAUNCHED = "batch-ddp-2n2g-srun.sh"
@@ -171,6 +174,38 @@ def test_every_shape_trains_the_same_model(finished):
                  "batch-tp-1n2g.sh", "batch-tp-2n1g.sh", "batch-tp-2n2g.sh",
                  "batch-pp-1n2g.sh", "batch-pp-2n1g.sh", "batch-pp-2n2g.sh"):
         assert losses[name] == pytest.approx(losses["batch-ddp-1n2g.sh"], abs=1e-4), name
+
+
+@pytest.fixture(scope="session")
+def lora_finished(cluster, builtin_in_kit):
+    """The lora stage's jobs, run to the end once, on the model and tasks `make` prepares."""
+    subprocess.run(["make", "models/kit-tiny/config.json", "data/instruct/meta.json"],
+                   cwd=KIT_ROOT, check=True, capture_output=True, timeout=900)
+    for name in LORA_FILES:
+        shutil.rmtree(run_dir(name), ignore_errors=True)
+    submitted = {name: submit(cluster, name) for name in LORA_FILES}
+    results = {}
+    for name, sbatch in submitted.items():
+        status, log, details = finish(cluster, name, sbatch)
+        results[name] = (status, log, runs.read_metrics(run_dir(name)), details)
+    yield results
+    for name in LORA_FILES:
+        shutil.rmtree(run_dir(name), ignore_errors=True)
+
+
+def test_lora_jobs_fine_tune_alike_on_every_shape(lora_finished):
+    """`accelerate launch` on 1 and 2 nodes: every job finishes, saves the adapter and the merged
+    model, and takes the same steps whatever its shape (no dropout, the same 32 examples)."""
+    reference = [r["loss"] for r in lora_finished["batch-lora-1n1g.sh"][2]]
+    for name, (status, log, metrics, job) in lora_finished.items():
+        assert status == 0, log[-3000:]
+        assert re.search(rf"^step {LORA_STEPS}/{LORA_STEPS} \| loss .* \| exact match", log,
+                         re.MULTILINE), log[-3000:]
+        nodes, processes = map(int, re.match(r"batch-lora-(\d+)n(\d+)g", name).groups())
+        assert runs.read_json(run_dir(name) / "config.json")["world_size"] == nodes * processes
+        assert re.search(rf"NumNodes={nodes} NumCPUs=\d+ NumTasks={nodes} ", job), job
+        assert (run_dir(name) / "model" / "model.safetensors").is_file()
+        assert [r["loss"] for r in metrics] == pytest.approx(reference, abs=1e-4), name
 
 
 # how a job is stopped mid-run: (what the test does, the signal the training processes get)

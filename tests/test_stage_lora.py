@@ -1,0 +1,164 @@
+"""The lora stage: the kit's GPT, pretrained and exported, fine-tuned on the offline instruction
+tasks with PEFT, launched by Accelerate with every config in solutions/accelerate/."""
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import free_port, kit_env
+from coursekit import KIT_ROOT, instruct, runs
+
+pytestmark = pytest.mark.stages
+SCRIPT = KIT_ROOT / "solutions" / "finetune_lora.py"
+CONFIGS = KIT_ROOT / "solutions" / "accelerate"
+ACCELERATE = str(KIT_ROOT / ".venv" / "bin" / "accelerate") if (KIT_ROOT / ".venv").exists() \
+    else shutil.which("accelerate")
+# no dropout: one process and two draw different dropout masks for the same examples
+SHORT = ["--max-steps", 4, "--eval-interval", 2, "--eval-examples", 8, "--ckpt-interval", 2,
+         "--lora-dropout", 0]
+
+
+@pytest.fixture(scope="module")
+def base_model():
+    """The tiny GPT the std stage pretrains for 300 steps, exported untied: made by `make` before
+    the tests and the lessons (the Makefile's BASE_MODEL), here too if it is missing."""
+    subprocess.run(["make", "models/kit-tiny/config.json"], cwd=KIT_ROOT, check=True,
+                   capture_output=True, timeout=900)
+    return KIT_ROOT / "models" / "kit-tiny"
+
+
+@pytest.fixture(scope="module")
+def tasks(tmp_path_factory):
+    out = tmp_path_factory.mktemp("instruct")
+    instruct.prepare(out)
+    return out
+
+
+def launch(config, out, base_model, tasks, *args, processes=None):
+    """`accelerate launch` the stage with one of the kit's configs; returns the CompletedProcess."""
+    command = [ACCELERATE, "launch", "--config_file", CONFIGS / f"{config}.yaml",
+               "--main_process_port", free_port()]
+    if processes:
+        command += ["--num_processes", processes]
+    command += [SCRIPT, "--model", base_model, "--data", tasks, "--out", out, *args]
+    env = kit_env({"TORCH_EXTENSIONS_DIR": str(KIT_ROOT / ".cache" / "torch_extensions")})
+    return subprocess.run(list(map(str, command)), capture_output=True, text=True, timeout=900,
+                          env=env, cwd=KIT_ROOT)
+
+
+def losses(run_dir):
+    return [r["loss"] for r in runs.read_metrics(run_dir)]
+
+
+@pytest.fixture(scope="module")
+def single_run(base_model, tasks, tmp_path_factory):
+    out = tmp_path_factory.mktemp("single") / "run"
+    result = launch("single", out, base_model, tasks, *SHORT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("config", ["ddp", "fsdp", "zero2", "zero3"])
+def test_two_processes_train_like_one_and_save(config, single_run, base_model, tasks, tmp_path):
+    """Every multi-process config completes on 2 CPU processes, takes the same steps as one
+    process (the minibatch of 32 is 16 per process instead of 2 micro-batches of 16), saves the
+    adapter, the merged model and its checkpoints."""
+    out = tmp_path / "run"
+    result = launch(config, out, base_model, tasks, *SHORT)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    assert f"on 2 process(es)" in result.stdout
+    assert losses(out) == pytest.approx(losses(single_run), abs=1e-4)
+    assert (out / "adapter" / "adapter_model.safetensors").is_file()
+    assert (out / "model" / "model.safetensors").is_file()
+    assert runs.read_json(out / "ckpt" / "latest.json")["step"] == 4
+
+
+def test_run_directory_keeps_the_contract(single_run):
+    records = runs.read_metrics(single_run)
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
+    assert {"loss", "lr", "grad_norm", "ms", "tok_per_s", "mfu"} <= set(records[0])
+    assert "val_loss" in records[1] and "exact_match" in records[3]
+    config = runs.read_json(single_run / "config.json")
+    assert 0 < config["trainable_fraction"] < 0.2
+    evaluations = runs.read_json(single_run / "eval.json")
+    assert set(evaluations) == {"before", "after"}
+    assert evaluations["after"]["val_loss"] < evaluations["before"]["val_loss"]
+    predictions = (single_run / "predictions.jsonl").read_text().splitlines()
+    assert len(predictions) == 8 and {"answer", "reference"} <= set(json.loads(predictions[0]))
+
+
+@pytest.fixture(scope="module")
+def recipe_run(base_model, tasks, tmp_path_factory):
+    """The tiny preset's whole recipe (250 steps), as lesson 05 runs it."""
+    out = tmp_path_factory.mktemp("recipe") / "run"
+    result = launch("single", out, base_model, tasks)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return out
+
+
+def test_lora_teaches_the_tiny_model_the_tasks(recipe_run):
+    """Exact match on 100 unseen validation examples rises by 30 points at least."""
+    evaluations = runs.read_json(recipe_run / "eval.json")
+    before, after = evaluations["before"], evaluations["after"]
+    assert after["exact_match"] - before["exact_match"] >= 0.30, evaluations
+    assert after["val_loss"] < 0.75 * before["val_loss"]
+
+
+def test_merged_model_equals_base_plus_adapter(recipe_run, base_model):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    base = AutoModelForCausalLM.from_pretrained(base_model)
+    adapted = PeftModel.from_pretrained(base, recipe_run / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(recipe_run / "model").eval()
+    idx = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, got = adapted(idx).logits, merged(idx).logits
+        plain = AutoModelForCausalLM.from_pretrained(base_model)(idx).logits
+    # float32 sums in another order: logits of up to ~20 agree to 1e-5 relative
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert (got.softmax(-1) - expected.softmax(-1)).abs().max() <= 1e-5
+    assert (plain - expected).abs().max() > 1e-2  # the adapter changed the model
+
+
+def test_resume_continues_exactly(single_run, base_model, tasks, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(single_run / "ckpt" / "step_00000002", out / "ckpt" / "step_00000002")
+    runs.write_json_atomic(out / "ckpt" / "latest.json", {"dir": "step_00000002", "step": 2})
+    result = launch("single", out, base_model, tasks, *SHORT, "--resume")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout
+    assert [r["step"] for r in runs.read_metrics(out)] == [3, 4]
+    assert losses(out) == pytest.approx(losses(single_run)[2:], abs=1e-6)
+
+
+def test_batched_greedy_answers_equal_one_at_a_time(base_model, tasks):
+    """Evaluation generates with left padding in batches; positions must not shift the answers."""
+    from accelerate import Accelerator
+    sys.path.insert(0, str(KIT_ROOT / "solutions"))
+    import finetune_lora
+    model, tokenizer = finetune_lora.load_pretrained(str(base_model))
+    examples = [json.loads(line) for line in (tasks / "val.jsonl").read_text().splitlines()[:6]]
+    accelerator = Accelerator(cpu=True)
+    batched = finetune_lora.greedy_answers(accelerator, model, tokenizer, examples, 6, 6)
+    single = [finetune_lora.greedy_answers(accelerator, model, tokenizer, [e], 6, 1)[0]
+              for e in examples]
+    assert batched == single
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "/nonexistent/model"], "cannot load --model /nonexistent/model"),
+    (["--batch-size", "24", "--micro-batch", "16"], "--batch-size 24 is not a multiple"),
+    (["--lora-dropout", "1.5"], "--lora-dropout 1.5"),
+    (["--data", "/nonexistent/tasks"], "--data /nonexistent/tasks"),
+])
+def test_bad_input_gets_one_line(args, message, base_model, tasks, tmp_path):
+    command = [sys.executable, SCRIPT, "--model", base_model, "--data", tasks,
+               "--out", tmp_path / "run", *args]
+    result = subprocess.run(list(map(str, command)), capture_output=True, text=True,
+                            env=kit_env(), cwd=KIT_ROOT, timeout=300)
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
