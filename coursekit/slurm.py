@@ -239,7 +239,7 @@ def finetune_environment(topology):
             "#   sbatch --export=ALL,ACCELERATE_CONFIG=solutions/accelerate/zero3.yaml <this file>",
             f'export ACCELERATE_CONFIG="${{ACCELERATE_CONFIG:-solutions/accelerate/{config}.yaml}}"',
             "# compute nodes are often offline: the model and data set come from the hub cache,",
-            "# filled beforehand on a login node (README: fine-tuning on a cluster)",
+            "# filled beforehand on a login node (README: Using the kit on a cluster)",
             "export HF_HUB_OFFLINE=1",
             "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
             ""]

@@ -547,22 +547,27 @@ def main(argv=None):
         loss_sum = torch.zeros((), device=accelerator.device)
         tokens = torch.zeros((), device=accelerator.device)
         flops = torch.zeros((), device=accelerator.device, dtype=torch.float64)
-        for _ in range(args.grad_accum):
-            batch = next(batches)
-            with accelerator.accumulate(model):  # gradients are averaged on the last micro-batch
-                total, count, rows = answer_loss(model, batch)
-                loss = total / count  # the mean over this micro-batch's answer tokens
-                accelerator.backward(loss)
+        micro_batches = [next(batches) for _ in range(args.grad_accum)]
+        # The loss is the mean over the minibatch's answer tokens, on every process together. A
+        # mean per micro-batch would weigh a token by how many answer tokens share its micro-
+        # batch, so 2 micro-batches of 16 and 4 processes of 8 would train different models.
+        answer_tokens = accelerator.reduce(sum((b["labels"] != -100).sum() for b in micro_batches))
+        # backward divides by the micro-batches and the gradients are averaged over the processes
+        scale = args.grad_accum * accelerator.num_processes / answer_tokens
+        for batch in micro_batches:
+            with accelerator.accumulate(model):  # gradients are reduced on the last micro-batch
+                total, _, rows = answer_loss(model, batch)
+                accelerator.backward(total * scale)
                 if accelerator.sync_gradients:
                     clipped = accelerator.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()  # Accelerate skips it until the last micro-batch
                 optimizer.zero_grad()
-            loss_sum += loss.detach() / args.grad_accum
+            loss_sum += total.detach()
             tokens += batch["attention_mask"].sum()
             flops += per_weight * (blocks * batch["attention_mask"].sum() + head * rows)
         scheduler.step()
         grad_norm = norm_before_clipping(accelerator, model, clipped)
-        loss_value = accelerator.reduce(loss_sum, "mean").item()  # waits for the devices
+        loss_value = (accelerator.reduce(loss_sum) / answer_tokens).item()  # waits for devices
         dt = time.perf_counter() - t0
         tokens_per_s = accelerator.reduce(tokens).item() / dt
         mfu = accelerator.reduce(flops).item() / dt / (peak * accelerator.num_processes)

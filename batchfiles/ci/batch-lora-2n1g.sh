@@ -29,7 +29,7 @@ echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELI
 #   sbatch --export=ALL,ACCELERATE_CONFIG=solutions/accelerate/zero3.yaml <this file>
 export ACCELERATE_CONFIG="${ACCELERATE_CONFIG:-solutions/accelerate/ddp.yaml}"
 # compute nodes are often offline: the model and data set come from the hub cache,
-# filled beforehand on a login node (README: fine-tuning on a cluster)
+# filled beforehand on a login node (README: Using the kit on a cluster)
 export HF_HUB_OFFLINE=1
 export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
 
