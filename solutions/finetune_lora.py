@@ -131,18 +131,17 @@ def collate(pad_id):
 
 
 def answer_loss(model, batch):
-    """(sum of the cross-entropy over the answer tokens, their number, the positions the head ran
-    on). The output head, 50,257
-    logits per position and most of a small model's work, runs only on the last positions, where
-    the left-padded answers are; logits at position t predict token t+1."""
+    """(each example's summed cross-entropy over its answer tokens, the positions the head ran
+    on). The output head, 50,257 logits per position and most of a small model's work, runs only
+    on the last positions, where the left-padded answers are; logits at t predict token t+1."""
     labels = batch["labels"]
     keep = int((labels != -100).sum(dim=1).max()) + 1
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                    position_ids=batch["position_ids"], logits_to_keep=keep).logits
     targets = labels[:, -keep + 1:]
-    total = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(),
-                            ignore_index=-100, reduction="sum")
-    return total, (targets != -100).sum(), logits.shape[0] * logits.shape[1]
+    losses = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), targets.flatten(),
+                             ignore_index=-100, reduction="none")  # 0 where ignored
+    return losses.view(targets.shape).sum(dim=1), logits.shape[0] * logits.shape[1]
 
 
 def microbatches(accelerator, loader, start):
@@ -236,14 +235,16 @@ def make_accelerator(args):
 # ----------------------------------------------------------------------------------------------
 @torch.no_grad()
 def validation_loss(accelerator, model, loader):
-    """Mean loss per answer token over the whole validation split, every process a share."""
-    total = torch.zeros((), device=accelerator.device)
-    count = torch.zeros((), device=accelerator.device)
+    """Mean loss per answer token over the whole validation split, every process a share.
+    Accelerate repeats a few examples so that every process gets as many batches;
+    gather_for_metrics leaves the repeats out."""
+    total, count = 0.0, 0
     for batch in loader:
-        batch_total, batch_count, _ = answer_loss(model, batch)
-        total += batch_total
-        count += batch_count
-    return (accelerator.reduce(total) / accelerator.reduce(count)).item()
+        losses, _ = answer_loss(model, batch)
+        tokens = (batch["labels"] != -100).sum(dim=1)
+        losses, tokens = accelerator.gather_for_metrics((losses, tokens))
+        total, count = total + losses.sum().item(), count + tokens.sum().item()
+    return total / count
 
 
 def normalise(text):
@@ -556,7 +557,8 @@ def main(argv=None):
         scale = args.grad_accum * accelerator.num_processes / answer_tokens
         for batch in micro_batches:
             with accelerator.accumulate(model):  # gradients are reduced on the last micro-batch
-                total, _, rows = answer_loss(model, batch)
+                losses, rows = answer_loss(model, batch)
+                total = losses.sum()
                 accelerator.backward(total * scale)
                 if accelerator.sync_gradients:
                     clipped = accelerator.clip_grad_norm_(model.parameters(), 1.0)
@@ -589,11 +591,14 @@ def main(argv=None):
         if accelerator.is_main_process:
             runs.append_metrics(run_dir, record)
 
-        stopping = stop.received is not None
+        # every process stops at the same step if any of them was signalled
+        flag = torch.tensor(float(stop.received is not None), device=accelerator.device)
+        stopping = accelerator.reduce(flag).item() > 0
         if done % args.ckpt_interval == 0 or done == args.max_steps or stopping:
             save_checkpoint(accelerator, run_dir, done)
         if stopping and done < args.max_steps:
-            accelerator.print(f"{stop.received} received: checkpoint saved at step {done}; "
+            accelerator.print(f"{stop.received or 'a stop signal'} received: checkpoint saved "
+                              f"at step {done}; "
                               "rerun with --resume to continue", flush=True)
             break
 

@@ -59,6 +59,10 @@ EXECUTED_OUTPUTS = {
     "04-model-parallelism": ["fsdp on 4 processes: largest loss difference from ddp",
                              "| 2 | params |", "checkpointing:", "bubble predicted 0.33, measured",
                              "tp on 2 processes", "pp on 2 processes (1F1B)"],
+    "05-llm-finetuning": ["B is zero at the start: True", "tokens count in the loss",
+                          "W + (alpha/r) B A by hand vs the merged model",
+                          "merged model vs base model + adapter: largest logit difference",
+                          "FSDP on 2 processes: first loss"],
 }
 
 

@@ -213,10 +213,13 @@ STOPS = {"scontrol-requeue": (["requeue"], "SIGTERM"),
          "time-limit-signal": (None, "SIGUSR1")}  # what --signal=B:USR1@S sends the batch shell
 
 
-@pytest.mark.parametrize("how", STOPS)
-def test_stopped_job_is_requeued_and_resumes_like_an_uninterrupted_one(cluster, finished, how):
-    name = "batch-ddp-1n2g.sh"
-    reference = finished[name][2]
+@pytest.mark.parametrize("name, how", [("batch-ddp-1n2g.sh", "scontrol-requeue"),
+                                       ("batch-ddp-1n2g.sh", "time-limit-signal"),
+                                       ("batch-lora-1n2g.sh", "time-limit-signal")])
+def test_stopped_job_is_requeued_and_resumes_like_an_uninterrupted_one(cluster, finished,
+                                                                       lora_finished, name, how):
+    reference = (lora_finished if "lora" in name else finished)[name][2]
+    steps = LORA_STEPS if "lora" in name else STEPS
     shutil.rmtree(run_dir(name), ignore_errors=True)
     job_id = submit(cluster, name, wait=False)
     deadline = time.time() + 600
@@ -241,8 +244,9 @@ def test_stopped_job_is_requeued_and_resumes_like_an_uninterrupted_one(cluster, 
     record = scontrol(cluster, "show", "job", job_id)
     assert "JobState=COMPLETED" in record, log[-4000:] + record
     stopped = re.search(rf"{signal_name} received: checkpoint saved at step (\d+)", log)
-    assert stopped and 4 <= int(stopped.group(1)) < STEPS, log[-3000:]
-    assert f"resumed from runs/ci-ddp-1n2g/ckpt/step_{int(stopped.group(1)):08d}" in log
+    assert stopped and 4 <= int(stopped.group(1)) < steps, log[-3000:]
+    assert f"resumed from {run_dir(name).relative_to(KIT_ROOT)}/ckpt/step_{int(stopped.group(1)):08d}" \
+        in log
     assert "Restarts=1" in record
     got = runs.read_metrics(run_dir(name))
     assert [(r["step"], r["loss"], r.get("val_loss")) for r in got] == \
