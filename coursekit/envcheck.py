@@ -63,6 +63,12 @@ def collect(root=None):
     }
 
 
+def size_of(split):
+    """A split's size: tokens of a pretraining corpus, examples of an instruction set (lesson 05)."""
+    unit = "tokens" if "tokens" in split else "examples"
+    return f"{split[unit]:,} {unit}"
+
+
 def report(info):
     """The collected facts as a short, aligned text report."""
     yes_no = {True: "yes", False: "no"}
@@ -78,9 +84,8 @@ def report(info):
                  + (f" (inside job {info['slurm_job']})" if info["slurm_job"] else ""))
     if info["data"]:
         for directory, meta in info["data"].items():
-            tokens = {split: s["tokens"] for split, s in meta["splits"].items()}
             lines.append(f"prepared data     {directory}: {meta['source']}, "
-                         + ", ".join(f"{split} {n:,} tokens" for split, n in tokens.items()))
+                         + ", ".join(f"{split} {size_of(s)}" for split, s in meta["splits"].items()))
     else:
         lines.append(f"prepared data     none under ./data or the kit's data/ (run `{data.prepare_command('data/builtin')}`)")
     lines.append(f"gpt-2 tokenizer   offline: {yes_no[info['tokenizer_offline']]} "

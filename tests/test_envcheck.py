@@ -4,7 +4,7 @@ import sys
 
 import pytest
 
-from coursekit import envcheck
+from coursekit import envcheck, instruct
 
 pytestmark = pytest.mark.unit
 
@@ -24,6 +24,13 @@ def test_prepared_data_is_found(builtin_data, tmp_path):
     assert list(found) == [str(tmp_path / "data" / "builtin")]
     assert "prepared data     " + str(tmp_path / "data" / "builtin") in envcheck.report(
         {**envcheck.collect(tmp_path)})
+
+
+def test_an_instruction_set_is_reported_in_examples(tmp_path):
+    instruct.prepare(tmp_path / "data" / "instruct")
+    report = envcheck.report(envcheck.collect(tmp_path))
+    assert f"{tmp_path / 'data' / 'instruct'}: kit-tasks, train 2,000 examples, val 200 examples" \
+        in report
 
 
 def test_cli_report_and_json():
