@@ -400,6 +400,16 @@ def parse_args(argv=None):
     return args
 
 
+def check_deepspeed(args):
+    """Lightning's DeepSpeed strategy runs on CUDA GPUs only (the fine-tuning stage's Accelerate
+    configs run DeepSpeed on CPU too), and DeepSpeed is an optional install."""
+    if not uses_gpu(args):
+        raise KitError(f"--strategy {args.strategy} runs on CUDA GPUs only (on CPU use ddp, or "
+                       f"DeepSpeed through solutions/finetune_lora.py's Accelerate configs)")
+    if importlib.util.find_spec("deepspeed") is None:
+        raise KitError(f"--strategy {args.strategy} needs DeepSpeed: pip install deepspeed")
+
+
 def devices_arg(text):
     return text if text == "auto" else positive_int(text)
 
@@ -408,8 +418,8 @@ def check_args(args):
     """Fill preset defaults, then refuse combinations that cannot work, saying why."""
     if args.device == "cuda" and not torch.cuda.is_available():
         raise KitError("--device cuda: no CUDA/ROCm GPU is visible (use --device auto or cpu)")
-    if args.strategy.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
-        raise KitError(f"--strategy {args.strategy} needs DeepSpeed: pip install deepspeed")
+    if args.strategy.startswith("deepspeed"):
+        check_deepspeed(args)
     preset = presets.get_preset(args.preset or presets.default_preset_name(
         torch.cuda.is_available() and args.device in ("auto", "cuda")))
     args.preset = preset.name

@@ -99,7 +99,7 @@ def test_killed_run_resumes_from_its_checkpoint_like_an_uninterrupted_one(builti
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--strategy", "deepspeed_stage_2"], "--strategy deepspeed_stage_2 needs DeepSpeed: pip install deepspeed"),
+    (["--strategy", "deepspeed_stage_2"], "--strategy deepspeed_stage_2 runs on CUDA GPUs only"),
     (["--strategy", "fsdp", "--devices", "2"], "--strategy fsdp --devices 2: The strategy `fsdp` requires a GPU"),
     (["--devices", "0"], "argument --devices: expected a positive integer, got 0"),
     (["--strategy", "horovod"], "argument --strategy: invalid choice: 'horovod'"),
