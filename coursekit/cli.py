@@ -12,6 +12,9 @@
     batchfiles --site S | --all | --check      Slurm batch files from batchfiles/sites/S.yml
     export-hf RUN_DIR OUT_DIR [--force --untie] a std/ddp/fsdp run as a Hugging Face GPT-2 model
     instruct prepare --out DIR                 the offline instruction-tuning tasks (lesson 05)
+    verify-data RUN_DIR [--data DIR]           is the data still what the run trained on?
+    registry register RUN_DIR --name N --alias A [--model-dir D]   a run's model into MLflow
+    registry load NAME@ALIAS [--prompt P]      load a registered model back and complete P
 """
 import argparse
 import json
@@ -104,6 +107,22 @@ def build_parser():
     instruct = commands.add_parser("instruct", help="instruction-tuning data for fine-tuning")
     instruct.add_argument("action", choices=["prepare"])
     instruct.add_argument("--out", required=True, help="directory for train.jsonl and val.jsonl")
+
+    verify = commands.add_parser("verify-data", help="check data against a run's manifest")
+    verify.add_argument("run_dir", metavar="RUN_DIR")
+    verify.add_argument("--data", help="the data directory (default: the one the run used)")
+
+    registry = commands.add_parser("registry", help="the MLflow model registry")
+    registry.add_argument("action", choices=["register", "load"])
+    registry.add_argument("target", metavar="RUN_DIR|NAME@ALIAS",
+                          help="register: a run directory; load: a registered NAME@ALIAS")
+    registry.add_argument("--name", help="register: the registered model's name")
+    registry.add_argument("--alias", default="champion", help="register: alias of the new version")
+    registry.add_argument("--model-dir", help="register: Hugging Face model directory "
+                                              "(default RUN_DIR/model)")
+    registry.add_argument("--store", help="load: tracking URI (default MLFLOW_TRACKING_URI or "
+                                          "runs/mlflow.db)")
+    registry.add_argument("--prompt", default="The", help="load: text to complete")
     return parser
 
 
@@ -203,9 +222,37 @@ def run_instruct(args):
           f"{counts}")
 
 
+def run_verify_data(args):
+    from coursekit import runs
+    manifest, problems = runs.verify_data(args.run_dir, args.data)
+    where = args.data or manifest["dir"]
+    if problems:
+        print(f"{where} differs from what {args.run_dir} trained on: {'; '.join(problems)}",
+              file=sys.stderr)
+        return 1
+    print(f"{where} matches the manifest of {args.run_dir}: {len(manifest['files'])} files, "
+          f"sha256 {manifest['sha256'][:16]}")
+    return 0
+
+
+def run_registry(args):
+    from coursekit import registry
+    if args.action == "register":
+        if not args.name:
+            raise KitError("registry register needs --name (the registered model's name)")
+        uri, version = registry.register(args.target, args.name, args.alias, args.model_dir)
+        print(f"registered {args.target} as {args.name} version {version}, alias "
+              f"{args.alias!r}, in {uri}: load it with models:/{args.name}@{args.alias}")
+        return 0
+    model = registry.load(args.target, args.store)
+    print(f"{args.prompt}{model.predict([args.prompt])[0]}")
+    return 0
+
+
 COMMANDS = {"envcheck": run_envcheck, "tokenizer": run_tokenizer, "data": run_data,
             "presets": run_presets, "assignments": run_assignments, "diffs": run_diffs,
-            "batchfiles": run_batchfiles, "export-hf": run_export_hf, "instruct": run_instruct}
+            "batchfiles": run_batchfiles, "export-hf": run_export_hf, "instruct": run_instruct,
+            "verify-data": run_verify_data, "registry": run_registry}
 
 
 def main(argv=None):

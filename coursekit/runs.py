@@ -1,6 +1,6 @@
 """Run directories: what a training run leaves behind for lessons, plots and a resumed job.
 
-    RUN_DIR/config.json      arguments, preset, model and batch arithmetic, device
+    RUN_DIR/config.json      arguments, preset, model and batch arithmetic, device, data manifest
     RUN_DIR/metrics.jsonl    one JSON object per optimiser step (the same numbers as the printed line)
     RUN_DIR/ckpt/step_NNNNNNNN/{tensors.safetensors,state.json}
     RUN_DIR/ckpt/latest.json which checkpoint is the newest
@@ -10,6 +10,7 @@ Everything is written atomically (a temporary file or directory, then a rename),
 any moment leaves either the old file or the new one, never half of one. Checkpoints hold tensors
 in safetensors and everything else in JSON: loading one never unpickles code.
 """
+import hashlib
 import json
 import os
 import shutil
@@ -39,10 +40,55 @@ def read_json(path):
 
 
 def start_run(run_dir, config, start_step):
-    """Write config.json and keep the metrics of steps up to ``start_step``: a fresh run starts an
-    empty log, a resumed one re-does the steps after its checkpoint."""
+    """Write config.json, with the data's manifest for lineage, and keep the metrics of steps up
+    to ``start_step``: a fresh run starts an empty log, a resumed one re-does the steps after its
+    checkpoint."""
     truncate_metrics(run_dir, start_step)
-    write_json_atomic(Path(run_dir) / "config.json", config)
+    data_dir = config.get("args", {}).get("data")
+    write_json_atomic(Path(run_dir) / "config.json",
+                      {**config, "data_manifest": data_manifest(data_dir) if data_dir else None})
+
+
+def data_manifest(data_dir):
+    """{"dir", "files": {name: sha256}, "sha256"} of a prepared data directory (one hash that
+    names the exact data a run saw), or None for data that is not a local prepared directory."""
+    meta = Path(data_dir) / "meta.json"
+    if not meta.is_file() or "manifest" not in read_json(meta):
+        return None
+    files = read_json(meta)["manifest"]
+    digest = hashlib.sha256(json.dumps(files, sort_keys=True).encode()).hexdigest()
+    return {"dir": str(Path(data_dir).resolve()), "files": files, "sha256": digest}
+
+
+def verify_data(run_dir, data_dir=None):
+    """Compare a data directory (by default the one the run recorded) with the manifest in the
+    run's config.json; returns (manifest, problems), problems empty when every file matches."""
+    config_path = Path(run_dir) / "config.json"
+    if not config_path.is_file():
+        raise KitError(f"{run_dir} is not a run directory (no config.json)")
+    recorded = read_json(config_path).get("data_manifest")
+    if not recorded:
+        raise KitError(f"{run_dir} recorded no data manifest (its data had no meta.json "
+                       "manifest, or the run predates lineage)")
+    data_dir = Path(data_dir or recorded["dir"])
+    problems = []
+    for name, digest in sorted(recorded["files"].items()):
+        path = data_dir / name
+        if not path.is_file():
+            problems.append(f"{name} missing")
+        elif sha256_file(path) != digest:
+            problems.append(f"{name} changed")
+    data_files = {p.name for p in data_dir.glob("*") if p.suffix in (".npy", ".jsonl")}
+    problems += [f"{name} not in the manifest" for name in sorted(data_files - set(recorded["files"]))]
+    return recorded, problems
+
+
+def sha256_file(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 # --- metrics.jsonl ---------------------------------------------------------------------------

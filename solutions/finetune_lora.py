@@ -33,7 +33,7 @@ from accelerate.utils import (DataLoaderConfiguration, DistributedType,
                               GradientAccumulationPlugin, InitProcessGroupKwargs, gather_object,
                               set_seed)
 
-from coursekit import KitError, instruct, perf, runs
+from coursekit import KitError, instruct, perf, runs, tracking
 from coursekit.cli import ArgumentParser, positive_float, positive_int
 
 STAGE = "lora"
@@ -412,6 +412,7 @@ def parse_args(argv=None):
     parser.add_argument("--lr", type=positive_float, help="peak learning rate")
     parser.add_argument("--warmup-steps", type=int, help="linear warm-up steps")
     parser.add_argument("--eval-interval", type=positive_int, help="steps between validations")
+    tracking.add_argument(parser)
     parser.add_argument("--eval-examples", type=positive_int,
                         help="validation examples answered and scored by exact match")
     parser.add_argument("--answer-tokens", type=positive_int, default=8,
@@ -535,6 +536,7 @@ def main(argv=None):
             "matmul_weights": {"blocks": blocks, "head": head}, "peak_flops": peak,
             "peak_source": peak_source,
             "device": str(accelerator.device), "torch": torch.__version__}, start_step)
+    tracker = tracking.start(args.track, run_dir, resumed=start_step > 0)
 
     if start_step == 0:
         before, _ = evaluate(accelerator, model, tokenizer, val_loader, val_scored, args)
@@ -590,6 +592,7 @@ def main(argv=None):
         accelerator.print(line, flush=True)
         if accelerator.is_main_process:
             runs.append_metrics(run_dir, record)
+        tracker.log_step(record)
 
         # every process stops at the same step if any of them was signalled
         flag = torch.tensor(float(stop.received is not None), device=accelerator.device)
@@ -607,6 +610,8 @@ def main(argv=None):
             last_eval = evaluate(accelerator, model, tokenizer, val_loader, val_scored, args)
         report_evaluation(accelerator, run_dir, "after", *last_eval)
         save_final_models(accelerator, model, tokenizer, run_dir, args)
+    final = run_dir / ("adapter" if args.method == "lora" else "model")
+    tracker.finish(run_dir, final if done == args.max_steps else None)
     accelerator.end_training()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from coursekit import KitError, data, perf, presets, runs
+from coursekit import KitError, data, perf, presets, runs, tracking
 from coursekit.cli import ArgumentParser, positive_float, positive_int
 
 STAGE = Path(__file__).stem.removeprefix("train_gpt2_")  # names the default run directory
@@ -338,6 +338,7 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "xpu", "cpu"])
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--sample-tokens", type=int, default=64, help="tokens generated at the end")
+    tracking.add_argument(parser)
     parser.add_argument("--prompt", default="The", help="start of the generated sample")
     args = parser.parse_args(argv)
     try:
@@ -446,6 +447,7 @@ def main(argv=None):
     }
     if rank == 0:
         runs.start_run(run_dir, run_config, start_step)
+    tracker = tracking.start(args.track, run_dir, resumed=start_step > 0)
 
     stop, done = StopSignal(), start_step
     for step in range(start_step, args.max_steps):
@@ -480,6 +482,7 @@ def main(argv=None):
         print(line, flush=True)
         if rank == 0:
             runs.append_metrics(run_dir, record)
+        tracker.log_step(record)
 
         # Slurm signals each task at its own moment: stop together once any rank has been told
         stopping = all_reduce_mean(torch.tensor(float(stop.received is not None))).item() > 0
@@ -492,6 +495,7 @@ def main(argv=None):
 
     if rank == 0 and args.sample_tokens and done == args.max_steps:
         write_sample(model, run_dir, args, device)
+    tracker.finish(run_dir, runs.latest_checkpoint(run_dir))
     if world_size > 1:  # free DDP's reducer before the group: avoids a hang at exit (compile+gloo)
         dist.barrier()
         del ddp_model

@@ -34,7 +34,7 @@ from lightning.pytorch.utilities import grad_norm
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, TensorDataset
 
-from coursekit import KitError, data, perf, presets, runs
+from coursekit import KitError, data, perf, presets, runs, tracking
 from coursekit.cli import ArgumentParser, positive_float, positive_int
 
 STAGE = Path(__file__).stem.removeprefix("train_gpt2_")  # names the default run directory
@@ -233,6 +233,7 @@ class LitGPT(L.LightningModule):
         self.run_config = None  # main() fills it in once the Trainer knows the devices
         self.run_dir = Path(args.out)
         self.pending = None  # the record of a step whose validation has not run yet
+        self.tracker = tracking.Tracker()  # rank 0's logs to --track once training starts
 
     def train_dataloader(self):  # called once the processes exist: each knows its rank
         return TokenShardLoader(self.args.data, "train", self.args.micro_batch, self.args.seq_len,
@@ -253,6 +254,8 @@ class LitGPT(L.LightningModule):
     def on_train_start(self):
         if self.trainer.is_global_zero:  # after a resume, global_step is the checkpoint's step
             runs.start_run(self.run_dir, self.run_config, self.global_step)
+            self.tracker = tracking.tracker_for(self.logger, self.run_dir,
+                                                resumed=self.global_step > 0)
 
     def on_train_batch_start(self, batch, batch_idx):
         if batch_idx % self.grad_accum == 0:  # the first microbatch of an optimiser step
@@ -314,6 +317,7 @@ class LitGPT(L.LightningModule):
             line += f" | val {record['val_loss']:.4f}"
         print(line, flush=True)
         runs.append_metrics(self.run_dir, record)
+        self.tracker.log_step(record)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -346,7 +350,8 @@ def make_trainer(args, grad_accum):
             val_check_interval=args.eval_interval * grad_accum,  # counted in microbatches
             check_val_every_n_epoch=None, num_sanity_val_steps=0,
             callbacks=[checkpoints], default_root_dir=args.out,  # Slurm's requeue checkpoint too
-            logger=False, enable_progress_bar=False, enable_model_summary=False,
+            logger=tracking.lightning_logger(args.track, args.out, args.resume),
+            enable_progress_bar=False, enable_model_summary=False,
         )
     except (MisconfigurationException, ValueError, RuntimeError) as err:
         reason = " ".join(str(err).split())  # Lightning's messages span lines: one line here
@@ -391,6 +396,7 @@ def parse_args(argv=None):
     parser.add_argument("--num-nodes", type=positive_int, default=1, help="nodes (under Slurm)")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--sample-tokens", type=int, default=64, help="tokens generated at the end")
+    tracking.add_argument(parser)
     parser.add_argument("--prompt", default="The", help="start of the generated sample")
     args = parser.parse_args(argv)
     try:
@@ -506,6 +512,7 @@ def main(argv=None):
     trainer.fit(module, ckpt_path=resume_from, weights_only=True)
     if trainer.is_global_zero and args.sample_tokens and module.global_step == args.max_steps:
         write_sample(module.gpt, Path(args.out), args, module.device)
+    module.tracker.finish(args.out, checkpoint_to_resume(Path(args.out)))
     return 0
 
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from coursekit import KitError, data, perf, presets, runs
+from coursekit import KitError, data, perf, presets, runs, tracking
 from coursekit.cli import ArgumentParser, positive_float, positive_int
 
 STAGE = Path(__file__).stem.removeprefix("train_gpt2_")  # names the default run directory
@@ -311,6 +311,7 @@ def parse_args(argv=None):
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "xpu", "cpu"])
     parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--sample-tokens", type=int, default=64, help="tokens generated at the end")
+    tracking.add_argument(parser)
     parser.add_argument("--prompt", default="The", help="start of the generated sample")
     args = parser.parse_args(argv)
     try:
@@ -413,6 +414,7 @@ def main(argv=None):
         "torch": torch.__version__,
     }
     runs.start_run(run_dir, run_config, start_step)
+    tracker = tracking.start(args.track, run_dir, resumed=start_step > 0)
 
     stop, done = StopSignal(), start_step
     for step in range(start_step, args.max_steps):
@@ -444,6 +446,7 @@ def main(argv=None):
             line += f" | val {record['val_loss']:.4f}"
         print(line, flush=True)
         runs.append_metrics(run_dir, record)
+        tracker.log_step(record)
 
         stopping = stop.received is not None
         if done % args.ckpt_interval == 0 or done == args.max_steps or stopping:
@@ -455,6 +458,7 @@ def main(argv=None):
 
     if args.sample_tokens and done == args.max_steps:
         write_sample(model, run_dir, args, device)
+    tracker.finish(run_dir, runs.latest_checkpoint(run_dir))
     return 0
 
 

@@ -39,7 +39,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInp
                                                SequenceParallel, loss_parallel, parallelize_module)
 from torch.utils.checkpoint import checkpoint
 
-from coursekit import KitError, data, perf, presets, runs
+from coursekit import KitError, data, perf, presets, runs, tracking
 from coursekit.cli import ArgumentParser, positive_float, positive_int
 
 STAGE = Path(__file__).stem.removeprefix("train_gpt2_")  # names the default run directory
@@ -461,6 +461,7 @@ def parse_args(argv=None):
     parser.add_argument("--tp", type=positive_int,
                         help="tensor-parallel group size (default: the processes per node)")
     parser.add_argument("--sample-tokens", type=int, default=64, help="tokens generated at the end")
+    tracking.add_argument(parser)
     parser.add_argument("--prompt", default="The", help="start of the generated sample")
     args = parser.parse_args(argv)
     try:
@@ -589,6 +590,7 @@ def main(argv=None):
     }
     if rank == 0:
         runs.start_run(run_dir, run_config, start_step)
+    tracker = tracking.start(args.track, run_dir, resumed=start_step > 0)
 
     stop, done = StopSignal(), start_step
     for step in range(start_step, args.max_steps):
@@ -625,6 +627,7 @@ def main(argv=None):
         print(line, flush=True)
         if rank == 0:
             runs.append_metrics(run_dir, record)
+        tracker.log_step(record)
 
         # Slurm signals each task at its own moment: stop together once any rank has been told
         stopping = all_reduce_mean(torch.tensor(float(stop.received is not None))).item() > 0
@@ -638,7 +641,8 @@ def main(argv=None):
     report_memory(run_dir, model, optimizer, device)
     if args.sample_tokens and done == args.max_steps:  # every rank: forward needs their shards
         write_sample(model, run_dir, args, device, rank)
-    dist.barrier()
+    dist.barrier()  # every rank's checkpoint shards and memory report are written
+    tracker.finish(run_dir, runs.latest_checkpoint(run_dir))
     dist.destroy_process_group()
     return 0
 

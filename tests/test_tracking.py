@@ -1,0 +1,216 @@
+"""Experiment tracking, lineage and the model registry, read back through MLflow's and
+TensorBoard's own readers (lesson 06)."""
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from conftest import free_port, kit_env, run_stage
+from coursekit import KIT_ROOT, runs
+
+pytestmark = pytest.mark.stages
+STEPS = 4
+
+
+def tracked_run(script, out, data, *extra, env=None):
+    result = run_stage(script, "--preset", "tiny", "--data", data, "--out", out,
+                       "--max-steps", STEPS, "--eval-interval", 2, "--ckpt-interval", 2,
+                       "--sample-tokens", 4, *extra, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
+
+
+def mlflow_run(run_dir):
+    saved = json.loads((Path(run_dir) / "tracking.json").read_text())
+    client = MlflowClient(saved["tracking_uri"])
+    return client, client.get_run(saved["run_id"])
+
+
+def artifact_paths(client, run_id, path=None):
+    found = []
+    for entry in client.list_artifacts(run_id, path):
+        found += artifact_paths(client, run_id, entry.path) if entry.is_dir else [entry.path]
+    return found
+
+
+@pytest.fixture(scope="module")
+def std_tracked(builtin_data, tmp_path_factory):
+    """A tracked std run stopped half-way and resumed: (run directory, first MLflow run id)."""
+    out = tmp_path_factory.mktemp("tracked") / "std-run"
+    tracked_run("train_gpt2_std.py", out, builtin_data, "--track", "mlflow",
+                "--max-steps", STEPS // 2)
+    first_run_id = mlflow_run(out)[1].info.run_id
+    tracked_run("train_gpt2_std.py", out, builtin_data, "--track", "mlflow", "--resume")
+    return out, first_run_id
+
+
+def test_std_run_reads_back_with_params_metric_history_and_artifacts(std_tracked, builtin_data):
+    std_tracked, _ = std_tracked
+    client, run = mlflow_run(std_tracked)
+    assert run.info.status == "FINISHED" and run.info.run_name == "std-run"
+    assert run.data.params["args.max_steps"] == str(STEPS // 2)  # parameters of the first start
+    assert run.data.params["preset.name"] == "tiny"
+    history = client.get_metric_history(run.info.run_id, "loss")
+    logged = runs.read_metrics(std_tracked)
+    assert [(m.step, m.value) for m in sorted(history, key=lambda m: m.step)] == \
+           [(r["step"], r["loss"]) for r in logged]
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "val_loss")] == [2, 4]
+    tags = run.data.tags
+    assert tags["stage"] == "std" and tags["world_size"] == "1" and tags["torch"] == torch.__version__
+    meta = json.loads((builtin_data / "meta.json").read_text())
+    expected = hashlib.sha256(json.dumps(meta["manifest"], sort_keys=True).encode()).hexdigest()
+    assert tags["data_manifest_sha256"] == expected
+    assert len(tags["git_commit"].split("+")[0]) == 40
+    artifacts = artifact_paths(client, run.info.run_id)
+    assert {"config.json", "metrics.jsonl", "sample.txt", "loss.png",
+            "environment/requirements.txt",
+            f"checkpoint/step_{STEPS:08d}/tensors.safetensors"} <= set(artifacts)
+    packages = Path(client.download_artifacts(run.info.run_id, "environment/requirements.txt"))
+    assert f"torch=={torch.__version__}" in packages.read_text().split()
+
+
+def test_resumed_run_continues_the_same_mlflow_run(std_tracked):
+    out, first_run_id = std_tracked
+    client, run = mlflow_run(out)
+    assert run.info.run_id == first_run_id and run.info.status == "FINISHED"
+    assert sorted(m.step for m in client.get_metric_history(first_run_id, "loss")) == \
+           list(range(1, STEPS + 1))
+
+
+def test_lightning_stage_logs_through_lightnings_mlflow_logger(builtin_data, tmp_path):
+    out = tmp_path / "lit-run"
+    tracked_run("train_gpt2_lit.py", out, builtin_data, "--track", "mlflow")
+    client, run = mlflow_run(out)
+    assert run.data.tags["stage"] == "lit"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == \
+           list(range(1, STEPS + 1))
+    assert f"checkpoint/step_{STEPS:08d}.ckpt" in artifact_paths(client, run.info.run_id)
+
+
+def test_tensorboard_event_files_hold_every_step(builtin_data, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out = tmp_path / "tb-run"
+    tracked_run("train_gpt2_std.py", out, builtin_data, "--track", "tensorboard")
+    events = EventAccumulator(str(out / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    logged = runs.read_metrics(out)
+    assert [(e.step, pytest.approx(e.value)) for e in events.Scalars("loss")] == \
+           [(r["step"], r["loss"]) for r in logged]
+
+
+def test_mlflow_server_over_http_receives_a_run(builtin_data, tmp_path):
+    port = free_port()
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port",
+         str(port), "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
+         "--artifacts-destination", str(tmp_path / "server-artifacts"), "--workers", "1"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(f"{url}/health", server)
+        out = tmp_path / "served-run"
+        tracked_run("train_gpt2_std.py", out, builtin_data, "--track", "mlflow",
+                    env=kit_env({"MLFLOW_TRACKING_URI": url}))
+        run_id = json.loads((out / "tracking.json").read_text())["run_id"]
+        with urllib.request.urlopen(f"{url}/api/2.0/mlflow/runs/get?run_id={run_id}") as reply:
+            run = json.load(reply)["run"]
+        assert run["info"]["status"] == "FINISHED"
+        metrics = {m["key"]: m for m in run["data"]["metrics"]}
+        assert metrics["loss"]["step"] == STEPS
+        assert metrics["loss"]["value"] == pytest.approx(runs.read_metrics(out)[-1]["loss"])
+        assert any((tmp_path / "server-artifacts").rglob("loss.png"))  # uploaded over HTTP
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)  # the server and its workers, by PID
+        server.wait(timeout=60)
+    assert server.poll() is not None
+
+
+def wait_for(url, process, timeout=120):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert process.poll() is None, "mlflow server exited"
+        try:
+            with urllib.request.urlopen(url, timeout=2):
+                return
+        except OSError:
+            time.sleep(0.5)
+    raise AssertionError(f"{url} did not answer within {timeout} s")
+
+
+def test_registered_model_loads_back_by_alias(std_tracked, tmp_path):
+    std_tracked, _ = std_tracked
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    model_dir = tmp_path / "hf"
+    export = subprocess.run([sys.executable, "-m", "coursekit", "export-hf", str(std_tracked),
+                             str(model_dir)], capture_output=True, text=True, env=kit_env())
+    assert export.returncode == 0, export.stderr
+    register = subprocess.run([sys.executable, "-m", "coursekit", "registry", "register",
+                               str(std_tracked), "--name", "kit-std", "--alias", "champion",
+                               "--model-dir", str(model_dir)], capture_output=True, text=True,
+                              env=kit_env())
+    assert register.returncode == 0, register.stderr
+    client, run = mlflow_run(std_tracked)
+    version = client.get_model_version_by_alias("kit-std", "champion")
+    assert version.run_id == run.info.run_id  # the registry leads back to the tracked run
+
+    from coursekit import registry
+    loaded = registry.load("kit-std@champion", client.tracking_uri)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = tokenizer("The", return_tensors="pt").input_ids
+    direct = model.generate(ids, max_new_tokens=5, do_sample=False,
+                            pad_token_id=tokenizer.eos_token_id)
+    expected = tokenizer.decode(direct[0, ids.shape[1]:], skip_special_tokens=True)
+    assert loaded.predict(["The"], params={"max_new_tokens": 5}) == [expected]
+
+
+def test_verify_data_names_a_changed_shard(std_tracked, builtin_data, tmp_path):
+    std_tracked, _ = std_tracked
+    verify = [sys.executable, "-m", "coursekit", "verify-data", str(std_tracked)]
+    same = subprocess.run(verify, capture_output=True, text=True, env=kit_env())
+    assert same.returncode == 0 and "matches the manifest" in same.stdout, same.stderr
+    copy = tmp_path / "data"
+    copy.mkdir()
+    for path in builtin_data.iterdir():
+        (copy / path.name).write_bytes(path.read_bytes())
+    shard = copy / "val_000000.npy"
+    tokens = bytearray(shard.read_bytes())
+    tokens[-1] ^= 1  # one token changed
+    shard.write_bytes(bytes(tokens))
+    changed = subprocess.run([*verify, "--data", str(copy)], capture_output=True, text=True,
+                             env=kit_env())
+    assert changed.returncode == 1
+    assert changed.stderr.strip() == (f"{copy} differs from what {std_tracked} trained on: "
+                                      "val_000000.npy changed")
+
+
+def test_unknown_tracker_gets_one_line(builtin_data, tmp_path):
+    result = run_stage("train_gpt2_std.py", "--data", builtin_data, "--out", tmp_path,
+                       "--track", "wandb")
+    assert result.returncode == 2
+    assert "argument --track: invalid choice: 'wandb' (choose from 'none', 'mlflow', 'tensorboard')" \
+        in result.stderr and result.stderr.strip().count("\n") == 0, result.stderr
+
+
+def test_only_rank_0_of_a_ddp_run_logs(builtin_data, tmp_path):
+    out = tmp_path / "ddp-run"
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2",
+         str(KIT_ROOT / "solutions" / "train_gpt2_ddp.py"), "--preset", "tiny", "--device", "cpu",
+         "--data", str(builtin_data), "--out", str(out), "--max-steps", "2",
+         "--sample-tokens", "0", "--track", "mlflow"],
+        capture_output=True, text=True, env=kit_env(), timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    client, run = mlflow_run(out)
+    assert run.data.tags["world_size"] == "2"
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+    assert len(client.get_metric_history(run.info.run_id, "loss")) == 2
