@@ -3,6 +3,7 @@
     batchfiles/sites/<site>.yml                   what a cluster needs (see generic.yml)
     batchfiles/<site>/batch-<stage>-<N>n<G>g.sh   one job: stage script on N nodes x G GPUs
     batchfiles/<site>/batch-data.sh               prepares the training data once
+    batchfiles/<site>/batch-mlflow-ui.sh          the MLflow UI over runs/mlflow.db, on 127.0.0.1
 
 How the stages start (DESIGN.md section 6):
     std   one process:                    srun python train_gpt2_std.py
@@ -19,6 +20,8 @@ lora  Accelerate: one `accelerate launch` per node (srun bash -c, so that each n
       $SLURM_NODEID as --machine_rank); the Accelerate config (DDP, FSDP, DeepSpeed ZeRO) is a
       variable chosen at submission: sbatch --export=ALL,ACCELERATE_CONFIG=solutions/accelerate/
       zero3.yaml batch-lora-2n4g.sh
+On GPU sites every training job samples GPU utilisation and memory every 10 s on its first node
+(nvidia-smi or rocm-smi) into RUN_DIR/gpu-<job id>.csv.
 Every training job asks Slurm for SIGUSR1 before its time limit (--signal=B:USR1@S), passes it on
 to the training processes, which checkpoint and exit, and requeues itself; `--resume` continues.
 """
@@ -270,6 +273,7 @@ def training_job(stage, topology, profile):
     lines += sbatch_lines(profile, job_name, topology.nodes, tasks_per_node, cpus_per_task,
                           topology.gpus)
     lines += [*job_preamble(profile, threads),
+              *gpu_monitor(profile, run_dir),
               "# rendezvous: the allocation's first host, a port derived from the job id",
               'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
               "MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
@@ -295,6 +299,25 @@ def training_job(stage, topology, profile):
     return "\n".join(lines) + "\n"
 
 
+GPU_SAMPLERS = {
+    "nvidia": "nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used,memory.total "
+              "--format=csv -l 10",
+    "amd": "while true; do rocm-smi --showuse --showmemuse --csv; sleep 10; done",
+}
+
+
+def gpu_monitor(profile, run_dir):
+    """Lines that sample the first node's GPUs in the background until the job ends."""
+    if profile["gpu_vendor"] not in GPU_SAMPLERS:
+        return []
+    return ["# GPU utilisation and memory every 10 s on this (the first) node, while the job runs",
+            f"mkdir -p {run_dir}",
+            f'{GPU_SAMPLERS[profile["gpu_vendor"]]} > "{run_dir}/gpu-$SLURM_JOB_ID.csv" &',
+            "monitor=$!",
+            """trap 'kill "$monitor" 2>/dev/null || true' EXIT""",
+            ""]
+
+
 def job_preamble(profile, threads):
     """Stop on errors, insist on the kit's root, set up the environment."""
     return ["set -euo pipefail",
@@ -313,10 +336,31 @@ def data_job(profile):
     return "\n".join(lines) + "\n"
 
 
+def mlflow_ui_job(profile):
+    """The MLflow UI as a job: bound to the compute node's 127.0.0.1, so nobody else on the
+    cluster reaches it; the trainee tunnels to it through the login node."""
+    site = profile["name"]
+    lines = header("The MLflow UI over the runs' tracking store (runs/mlflow.db), on the compute "
+                   "node's 127.0.0.1 only.", profile, site)
+    lines += ["# It needs no GPU: on a site with a CPU partition, submit with --partition=<it>."]
+    lines += sbatch_lines(profile, "mlflow-ui", 1, 1, 1, requeue=False)
+    lines += [*job_preamble(profile, "$SLURM_CPUS_PER_TASK"),
+              "PORT=$((30000 + SLURM_JOB_ID % 20000))",
+              'STORE="${MLFLOW_TRACKING_URI:-sqlite:///$PWD/runs/mlflow.db}"',
+              'echo "MLflow UI of $STORE on $(hostname):$PORT (127.0.0.1 only). From your laptop:"',
+              'ME=$(id -un)',
+              'echo "  ssh -N -J $ME@<login node> -L $PORT:127.0.0.1:$PORT $ME@$(hostname)"',
+              'echo "then open http://127.0.0.1:$PORT; scancel $SLURM_JOB_ID when done."',
+              'exec mlflow server --host 127.0.0.1 --port "$PORT" --backend-store-uri "$STORE" \\',
+              '    --artifacts-destination "$PWD/runs/mlartifacts" --workers 1']
+    return "\n".join(lines) + "\n"
+
+
 def expected_files(site, root=KIT_ROOT):
     """{path relative to the kit's root: text} of every batch file of a site."""
     profile = load_site(site, root)
-    files = {f"batchfiles/{site}/batch-data.sh": data_job(profile)}
+    files = {f"batchfiles/{site}/batch-data.sh": data_job(profile),
+             f"batchfiles/{site}/batch-mlflow-ui.sh": mlflow_ui_job(profile)}
     for stage in [*stages.names(root), "lora"]:
         for topology in topologies_for(stage, profile):
             files[f"batchfiles/{site}/batch-{stage}-{topology.name}.sh"] = \

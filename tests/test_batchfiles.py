@@ -36,10 +36,22 @@ def test_every_stage_and_topology_has_a_file():
     for site in slurm.site_names():
         profile = slurm.load_site(site)
         names = {p.split("/")[-1] for p in BATCH_FILES if p.split("/")[1] == site}
-        expected = {"batch-data.sh", "batch-std-1n1g.sh"} | {
+        expected = {"batch-data.sh", "batch-mlflow-ui.sh", "batch-std-1n1g.sh"} | {
             f"batch-{stage}-{t.name}.sh" for stage in ("ddp", "fsdp", "lit", "tp", "pp", "lora")
             for t in slurm.topologies_for(stage, profile)}
         assert expected <= names
+
+
+@pytest.mark.parametrize("site, sampler", [("baskerville", "nvidia-smi --query-gpu"),
+                                            ("lumi", "rocm-smi --showuse"), ("ci", None)])
+def test_gpu_sites_sample_utilisation_and_memory_during_training(site, sampler):
+    text = (KIT_ROOT / "batchfiles" / site / "batch-ddp-1n2g.sh").read_text()
+    if sampler is None:  # CPU processes: nothing to sample
+        assert "gpu-$SLURM_JOB_ID.csv" not in text
+        return
+    sampling = next(line for line in text.splitlines() if sampler in line)
+    assert sampling.endswith(f'> "runs/{site}-ddp-1n2g/gpu-$SLURM_JOB_ID.csv" &')
+    assert text.index(sampling) < text.index("solutions/train_gpt2_ddp.py")  # before training
 
 
 def test_batch_files_pass_shellcheck():

@@ -1,20 +1,23 @@
 """The ci site's batch files on a real 2-node Slurm cluster (tests/slurm/cluster-up.sh): every file
 passes `sbatch --test-only` and runs to exit 0 with its loss lines; the 2-node jobs really use both
 nodes; a job requeued mid-run resumes from its checkpoint and ends where an uninterrupted run does."""
+import json
 import os
 import re
 import shutil
 import subprocess
 import time
+import urllib.request
 
+import psutil
 import pytest
 
 from coursekit import KIT_ROOT, data, runs, slurm
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 CI_FILES = sorted(p.name for p in (KIT_ROOT / "batchfiles" / "ci").glob("*.sh"))
-TRAINING_FILES = [name for name in CI_FILES
-                  if name != "batch-data.sh" and not name.startswith("batch-lora")]
+TRAINING_FILES = [name for name in CI_FILES if name not in ("batch-data.sh", "batch-mlflow-ui.sh")
+                  and not name.startswith("batch-lora")]
 LORA_FILES = [name for name in CI_FILES if name.startswith("batch-lora")]
 LORA_STEPS = int(re.search(r"--max-steps (\d+)", slurm.load_site("ci")["finetune_args"]).group(1))
 # The ddp stage started by srun, one task per process (the launcher of sites that bind each task
@@ -145,6 +148,42 @@ def test_data_job_prepares_the_corpus(cluster):
     assert status == 0, log[-3000:]
     assert "prepared builtin in data/builtin" in log
     assert data.read_meta(KIT_ROOT / "data" / "builtin")["splits"]["train"]["tokens"] > 500_000
+
+
+def test_mlflow_ui_job_serves_the_tracking_store_on_loopback_only(cluster):
+    job_id = submit(cluster, "batch-mlflow-ui.sh", wait=False)
+    log = cluster["logs"] / f"batch-mlflow-ui.sh.{job_id}.out"
+    try:
+        port = int(wait_until(lambda: log.exists() and re.search(r":(\d+) \(127\.0\.0\.1 only\)",
+                                                                 log.read_text()), 120).group(1))
+        url = f"http://127.0.0.1:{port}"
+        wait_until(lambda: answers(f"{url}/health"), 180)
+        with urllib.request.urlopen(f"{url}/api/2.0/mlflow/experiments/search?max_results=5") as r:
+            assert "experiments" in json.load(r)
+        listening = {c.laddr.ip for c in psutil.net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+        assert listening == {"127.0.0.1"}
+        assert f"-L {port}:127.0.0.1:{port}" in log.read_text()
+    finally:
+        subprocess.run(["scancel", job_id], env=slurm_env(cluster), check=True)
+
+
+def wait_until(condition, timeout):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = condition()
+        if result:
+            return result
+        time.sleep(1)
+    raise AssertionError(f"not ready within {timeout} s")
+
+
+def answers(url):
+    try:
+        with urllib.request.urlopen(url, timeout=2):
+            return True
+    except OSError:
+        return False
 
 
 @pytest.mark.parametrize("name", [*TRAINING_FILES, SRUN_LAUNCHED])

@@ -29,6 +29,12 @@ export NCCL_NET_GDR_LEVEL="PHB"
 export MIOPEN_USER_DB_PATH="/tmp/$USER-miopen-cache-$SLURM_JOB_ID"
 export MIOPEN_CUSTOM_CACHE_DIR="/tmp/$USER-miopen-cache-$SLURM_JOB_ID"
 export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK  # the CPU cores each process was given
+# GPU utilisation and memory every 10 s on this (the first) node, while the job runs
+mkdir -p runs/lumi-fsdp-1n1g
+while true; do rocm-smi --showuse --showmemuse --csv; sleep 10; done > "runs/lumi-fsdp-1n1g/gpu-$SLURM_JOB_ID.csv" &
+monitor=$!
+trap 'kill "$monitor" 2>/dev/null || true' EXIT
+
 # rendezvous: the allocation's first host, a port derived from the job id
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))

@@ -26,6 +26,12 @@ export TIKTOKEN_CACHE_DIR="$PWD/.cache/tiktoken"
 export HF_HUB_OFFLINE="1"
 export HF_DATASETS_OFFLINE="1"
 export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK  # the CPU cores each process was given
+# GPU utilisation and memory every 10 s on this (the first) node, while the job runs
+mkdir -p runs/meluxina-lit-1n4g
+nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used,memory.total --format=csv -l 10 > "runs/meluxina-lit-1n4g/gpu-$SLURM_JOB_ID.csv" &
+monitor=$!
+trap 'kill "$monitor" 2>/dev/null || true' EXIT
+
 # rendezvous: the allocation's first host, a port derived from the job id
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
