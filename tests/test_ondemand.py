@@ -381,5 +381,23 @@ def test_session_starts_jupyterlab_behind_the_node_proxy(ruby, tmp_path):
         with pytest.raises(urllib.error.HTTPError) as refused:
             browser.open(wrong, timeout=10)
         assert refused.value.code == 401
+
+        # The MLflow UI of lesson 06, started in the session on 127.0.0.1, through the portal:
+        # jupyter-server-proxy serves it behind the session's own login.
+        ui_port = free_port()
+        ui = subprocess.Popen([str(KIT_ROOT / ".venv" / "bin" / "mlflow"), "server", "--host",
+                               "127.0.0.1", "--port", str(ui_port), "--backend-store-uri",
+                               f"sqlite:///{tmp_path / 'mlflow.db'}", "--workers", "1"],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                              start_new_session=True)
+        try:
+            search = f"{base}/proxy/{ui_port}/ajax-api/2.0/mlflow/experiments/search?max_results=5"
+            experiments = wait_for_jupyter(search, conn["password"], ui, log, timeout=180)
+            assert "experiments" in experiments
+            with pytest.raises(urllib.error.HTTPError) as anonymous:  # no login, no MLflow
+                urllib.request.build_opener(_NoRedirect).open(search, timeout=10)
+            assert anonymous.value.code in (302, 403)
+        finally:
+            stop(ui)
     finally:
         stop(session)
