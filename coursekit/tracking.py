@@ -15,7 +15,7 @@ id so that ``--resume`` continues the same MLflow run. TensorBoard writes event 
 ``RUN_DIR/tensorboard``. The Lightning stage builds Lightning's own loggers with
 ``lightning_logger`` and wraps them in the same tracker.
 """
-import hashlib
+import contextlib
 import json
 import os
 import platform
@@ -26,7 +26,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from coursekit import KIT_ROOT, runs
+from coursekit import KIT_ROOT, KitError, runs
 
 BACKENDS = ("none", "mlflow", "tensorboard")
 # what a run directory holds besides checkpoints (each stage writes some of them)
@@ -51,15 +51,31 @@ def start(backend, run_dir, resumed):
     if global_rank() != 0:
         return Tracker()
     if backend == "mlflow":
-        tracker = MlflowTracker.open(run_dir, resumed)
+        with store_errors(run_dir):
+            tracker = MlflowTracker.open(run_dir, resumed)
     elif backend == "tensorboard":
         from torch.utils.tensorboard import SummaryWriter
         tracker = TensorBoardTracker(SummaryWriter(str(Path(run_dir) / "tensorboard")))
     else:
         return Tracker()
     if not resumed:
-        tracker.describe(runs.read_json(Path(run_dir) / "config.json"))
+        with store_errors(run_dir):
+            tracker.describe(runs.read_json(Path(run_dir) / "config.json"))
     return tracker
+
+
+@contextlib.contextmanager
+def store_errors(run_dir):
+    """A tracking store that cannot be reached or refuses a write is a one-line KitError naming
+    it (the run's checkpoints are written before and do not depend on it)."""
+    try:
+        yield
+    except Exception as err:  # MLflow raises its own, requests' and SQLAlchemy's errors
+        if type(err).__module__.split(".")[0] not in ("mlflow", "requests", "sqlalchemy"):
+            raise
+        reason = " ".join(str(err).split())[:300]
+        raise KitError(f"--track mlflow: the tracking store {tracking_uri(run_dir)} failed: "
+                       f"{reason}") from None
 
 
 def global_rank():
@@ -146,7 +162,10 @@ class MlflowTracker(Tracker):
         self.client.log_batch(self.run_id, metrics=metrics, synchronous=False)
 
     def finish(self, run_dir, checkpoint=None):
-        run_dir = Path(run_dir)
+        with store_errors(run_dir):
+            self.upload(Path(run_dir), checkpoint)
+
+    def upload(self, run_dir, checkpoint):
         for name in RUN_FILES:
             if (run_dir / name).exists():
                 self.client.log_artifact(self.run_id, str(run_dir / name))

@@ -214,3 +214,15 @@ def test_only_rank_0_of_a_ddp_run_logs(builtin_data, tmp_path):
     assert run.data.tags["world_size"] == "2"
     assert len(client.search_runs([run.info.experiment_id])) == 1
     assert len(client.get_metric_history(run.info.run_id, "loss")) == 2
+
+
+def test_unreachable_tracking_server_gets_one_line(builtin_data, tmp_path):
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    result = run_stage("train_gpt2_std.py", "--data", builtin_data, "--out", tmp_path / "run",
+                       "--max-steps", 1, "--track", "mlflow",
+                       env=kit_env({"MLFLOW_TRACKING_URI": url,
+                                    "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0"}))
+    assert result.returncode == 1
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: --track mlflow: the tracking store {url} failed: ")
+    assert "Traceback" not in result.stderr
