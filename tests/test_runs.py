@@ -91,6 +91,15 @@ def test_start_run_keeps_the_metrics_up_to_the_resumed_step(tmp_path):
         runs.append_metrics(tmp_path, {"step": step})
     runs.start_run(tmp_path, {"stage": "std"}, 2)
     assert [r["step"] for r in runs.read_metrics(tmp_path)] == [1, 2]
-    assert runs.read_json(tmp_path / "config.json") == {"stage": "std"}
+    assert runs.read_json(tmp_path / "config.json") == {"stage": "std", "data_manifest": None}
     runs.start_run(tmp_path, {"stage": "std"}, 0)  # a fresh run in the same directory
     assert runs.read_metrics(tmp_path) == []
+
+
+def test_start_run_records_the_manifest_of_its_data(tmp_path, builtin_data):
+    runs.start_run(tmp_path, {"stage": "std", "args": {"data": str(builtin_data)}}, 0)
+    recorded = runs.read_json(tmp_path / "config.json")["data_manifest"]
+    meta = runs.read_json(builtin_data / "meta.json")
+    assert recorded["files"] == meta["manifest"] and len(recorded["files"]) >= 2
+    assert recorded["files"]["val_000000.npy"] == runs.sha256_file(builtin_data / "val_000000.npy")
+    assert runs.verify_data(tmp_path) == (recorded, [])
