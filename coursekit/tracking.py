@@ -115,11 +115,20 @@ def experiment_name():
 
 
 def experiment_id(client, run_dir):
-    """The experiment's id, created on first use."""
+    """The experiment's id, created on first use. Runs that start together (a job array, an HPO
+    sweep) may race to create it: the loser reads the winner's."""
+    from mlflow.exceptions import MlflowException
     experiment = client.get_experiment_by_name(experiment_name())
     if experiment is not None:
         return experiment.experiment_id
-    return client.create_experiment(experiment_name(), artifact_location=artifact_location(run_dir))
+    try:
+        return client.create_experiment(experiment_name(),
+                                         artifact_location=artifact_location(run_dir))
+    except MlflowException:
+        experiment = client.get_experiment_by_name(experiment_name())
+        if experiment is None:
+            raise
+        return experiment.experiment_id
 
 
 class MlflowTracker(Tracker):
@@ -127,6 +136,7 @@ class MlflowTracker(Tracker):
 
     def __init__(self, client, run_id):
         self.client, self.run_id = client, run_id
+        self.queued = []  # the background writes of the step metrics
 
     @classmethod
     def open(cls, run_dir, resumed):
@@ -159,13 +169,15 @@ class MlflowTracker(Tracker):
         metrics = [Metric(key, float(value), timestamp_ms(), step)
                    for key, value in record.items() if key != "step"]
         # queued and written by a background thread: the training loop does not wait for the store
-        self.client.log_batch(self.run_id, metrics=metrics, synchronous=False)
+        self.queued.append(self.client.log_batch(self.run_id, metrics=metrics, synchronous=False))
 
     def finish(self, run_dir, checkpoint=None):
         with store_errors(run_dir):
             self.upload(Path(run_dir), checkpoint)
 
     def upload(self, run_dir, checkpoint):
+        for operation in self.queued:  # a write that failed in the background fails here
+            operation.wait()
         for name in RUN_FILES:
             if (run_dir / name).exists():
                 self.client.log_artifact(self.run_id, str(run_dir / name))
