@@ -739,6 +739,7 @@ events = json.loads(trace.read_text())["traceEvents"]
 # the record_function labels, as the CPU ran them (a GPU trace has them on the streams too)
 labelled = [e for e in events if e.get("cat") == "user_annotation"
             and e["name"] in ("forward", "backward", "optimizer")]
+assert {e["name"] for e in labelled} == {"forward", "backward", "optimizer"}  # every step's parts
 print(f"exported Chrome trace {trace}: {trace.stat().st_size / 2**20:.1f} MiB, "
       f"{len(events):,} events")
 for label in ("forward", "backward", "optimizer"):
