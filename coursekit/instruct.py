@@ -20,13 +20,12 @@ output embedding is too weak for adapters alone to make it likely.
 Validation examples are new values, never seen in training: the model has to read the syntax
 (quotes, brackets, a decimal point), not remember the answers.
 """
-import hashlib
 import json
 import os
 import random
 from pathlib import Path
 
-from coursekit import KitError
+from coursekit import KitError, data
 
 WORDS = ["apple", "river", "stone", "cloud", "green", "seven", "house", "light", "paper", "music",
          "water", "table", "north", "spring", "glass", "train", "field", "bread", "night", "smile"]
@@ -108,7 +107,7 @@ def prepare(out_dir, sizes=SPLIT_SIZES, seed=SEED):
         "splits": {split: {"examples": len(examples),
                            "tasks": {t: sum(e["task"] == t for e in examples) for t in INSTRUCTIONS}}
                    for split, examples in splits.items()},
-        "manifest": {f"{split}.jsonl": sha256(out_dir / f"{split}.jsonl") for split in splits},
+        "manifest": {f"{split}.jsonl": data.sha256_file(out_dir / f"{split}.jsonl") for split in splits},
     }
     write_text_atomic(out_dir / "meta.json", json.dumps(meta, indent=2) + "\n")
     return meta
@@ -119,9 +118,6 @@ def write_text_atomic(path, text):
     tmp.write_text(text)
     os.replace(tmp, path)
 
-
-def sha256(path):
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def local_files(source):

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from coursekit import KitError
+from coursekit import KitError, data
 
 KEEP_CHECKPOINTS = 2
 
@@ -76,19 +76,12 @@ def verify_data(run_dir, data_dir=None):
         path = data_dir / name
         if not path.is_file():
             problems.append(f"{name} missing")
-        elif sha256_file(path) != digest:
+        elif data.sha256_file(path) != digest:
             problems.append(f"{name} changed")
     data_files = {p.name for p in data_dir.glob("*") if p.suffix in (".npy", ".jsonl")}
     problems += [f"{name} not in the manifest" for name in sorted(data_files - set(recorded["files"]))]
     return recorded, problems
 
-
-def sha256_file(path):
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # --- metrics.jsonl ---------------------------------------------------------------------------

@@ -280,9 +280,11 @@ def flatten(config, prefix=""):
     """{"args": {"lr": 1}} -> {"args.lr": 1}: MLflow params are flat."""
     flat = {}
     for key, value in config.items():
-        if isinstance(value, dict) and key != "data_manifest":
+        if key == "data_manifest":  # a file list, not a parameter: its hash is a tag
+            continue
+        if isinstance(value, dict):
             flat.update(flatten(value, f"{prefix}{key}."))
-        elif key != "data_manifest":
+        else:
             flat[f"{prefix}{key}"] = value
     return flat
 
