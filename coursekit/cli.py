@@ -51,6 +51,16 @@ def positive_float(text):
     return value
 
 
+def non_negative_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
 def build_parser():
     parser = ArgumentParser(prog="python -m coursekit", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from coursekit import KitError, data, perf, presets, runs, tracking
-from coursekit.cli import ArgumentParser, positive_float, positive_int
+from coursekit.cli import ArgumentParser, non_negative_float, positive_float, positive_int
 
 STAGE = Path(__file__).stem.removeprefix("train_gpt2_")  # names the default run directory
 
@@ -403,6 +403,9 @@ def parse_args(argv=None):
     parser.add_argument("--seq-len", type=positive_int, help="tokens per sample (T)")
     parser.add_argument("--batch-tokens", type=positive_int, help="tokens per optimiser step")
     parser.add_argument("--lr", type=positive_float, help="peak learning rate")
+    parser.add_argument("--weight-decay", type=non_negative_float,
+                        help="AdamW weight decay of the matrices")
+    parser.add_argument("--n-layer", type=positive_int, help="transformer blocks (model depth)")
     parser.add_argument("--warmup-steps", type=int, help="linear warm-up steps")
     parser.add_argument("--eval-interval", type=positive_int, help="steps between validations")
     parser.add_argument("--eval-steps", type=positive_int, help="microbatches per validation")
@@ -433,7 +436,7 @@ def check_args(args):
         torch.cuda.is_available() and args.device in ("auto", "cuda")))
     args.preset = preset.name
     for name in ("data", "max_steps", "micro_batch", "seq_len", "batch_tokens", "lr",
-                 "eval_interval", "eval_steps", "ckpt_interval"):
+                 "weight_decay", "n_layer", "eval_interval", "eval_steps", "ckpt_interval"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(preset, name))
     if args.warmup_steps is None:  # a short run warms up for a tenth of its steps at most
@@ -482,7 +485,7 @@ def main(argv=None):
 
     preset = presets.get_preset(args.preset)
     config = GPTConfig(vocab_size=preset.vocab_size, block_size=preset.seq_len,
-                       n_layer=preset.n_layer, n_head=preset.n_head, n_embd=preset.n_embd)
+                       n_layer=args.n_layer, n_head=preset.n_head, n_embd=preset.n_embd)
     model = GPT(config).to(device)
     if args.activation_checkpointing:
         apply_activation_checkpointing(model)
@@ -497,7 +500,7 @@ def main(argv=None):
     grad_accum = args.batch_tokens // (B * T * world_size)
     train_loader = TokenShardLoader(args.data, "train", B, T, rank, world_size)
     val_loader = TokenShardLoader(args.data, "val", B, T)
-    optimizer = configure_optimizer(model, args.lr, preset.weight_decay, device)
+    optimizer = configure_optimizer(model, args.lr, args.weight_decay, device)
 
     flops_per_token = perf.flops_per_token(config.n_layer, config.n_embd, T, config.vocab_size)
     peak, peak_source = perf.peak_flops(device)

@@ -35,7 +35,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, TensorDataset
 
 from coursekit import KitError, data, perf, presets, runs, tracking
-from coursekit.cli import ArgumentParser, positive_float, positive_int
+from coursekit.cli import ArgumentParser, non_negative_float, positive_float, positive_int
 
 STAGE = Path(__file__).stem.removeprefix("train_gpt2_")  # names the default run directory
 STRATEGIES = ["auto", "ddp", "ddp_notebook", "fsdp", "deepspeed_stage_1", "deepspeed_stage_2",
@@ -246,7 +246,7 @@ class LitGPT(L.LightningModule):
         return DataLoader(TensorDataset(torch.cat(x), torch.cat(y)), self.args.micro_batch)
 
     def configure_optimizers(self):
-        optimizer = configure_optimizer(self.gpt, self.args.lr, self.preset.weight_decay)
+        optimizer = configure_optimizer(self.gpt, self.args.lr, self.args.weight_decay)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate(
             step, 1.0, self.args.warmup_steps, self.args.max_steps))  # a factor of --lr
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -382,6 +382,9 @@ def parse_args(argv=None):
     parser.add_argument("--seq-len", type=positive_int, help="tokens per sample (T)")
     parser.add_argument("--batch-tokens", type=positive_int, help="tokens per optimiser step")
     parser.add_argument("--lr", type=positive_float, help="peak learning rate")
+    parser.add_argument("--weight-decay", type=non_negative_float,
+                        help="AdamW weight decay of the matrices")
+    parser.add_argument("--n-layer", type=positive_int, help="transformer blocks (model depth)")
     parser.add_argument("--warmup-steps", type=int, help="linear warm-up steps")
     parser.add_argument("--eval-interval", type=positive_int, help="steps between validations")
     parser.add_argument("--eval-steps", type=positive_int, help="microbatches per validation")
@@ -430,7 +433,7 @@ def check_args(args):
         torch.cuda.is_available() and args.device in ("auto", "cuda")))
     args.preset = preset.name
     for name in ("data", "max_steps", "micro_batch", "seq_len", "batch_tokens", "lr",
-                 "eval_interval", "eval_steps", "ckpt_interval"):
+                 "weight_decay", "n_layer", "eval_interval", "eval_steps", "ckpt_interval"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(preset, name))
     if args.warmup_steps is None:  # a short run warms up for a tenth of its steps at most
@@ -471,7 +474,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)  # before the model: the same initial weights in every process
     preset = presets.get_preset(args.preset)
     config = GPTConfig(vocab_size=preset.vocab_size, block_size=preset.seq_len,
-                       n_layer=preset.n_layer, n_head=preset.n_head, n_embd=preset.n_embd)
+                       n_layer=args.n_layer, n_head=preset.n_head, n_embd=preset.n_embd)
     B, T = args.micro_batch, args.seq_len
     world_size = device_count(args) * args.num_nodes
     grad_accum = args.batch_tokens // (B * T * world_size)
