@@ -26,7 +26,7 @@ KEEP_CHECKPOINTS = 2
 
 def write_json_atomic(path, obj):
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # writers may race (HPO workers)
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=2)
         f.write("\n")

@@ -4,6 +4,8 @@
     batchfiles/<site>/batch-<stage>-<N>n<G>g.sh   one job: stage script on N nodes x G GPUs
     batchfiles/<site>/batch-data.sh               prepares the training data once
     batchfiles/<site>/batch-mlflow-ui.sh          the MLflow UI over runs/mlflow.db, on 127.0.0.1
+    batchfiles/<site>/batch-hpo-1n1g.sh           an Optuna study: a job array, a worker per task
+    batchfiles/<site>/batch-hpo-2n<G>g.sh         the same, each trial a DDP run on 2 nodes x G
 
 How the stages start (DESIGN.md section 6):
     std   one process:                    srun python train_gpt2_std.py
@@ -20,6 +22,9 @@ lora  Accelerate: one `accelerate launch` per node (srun bash -c, so that each n
       $SLURM_NODEID as --machine_rank); the Accelerate config (DDP, FSDP, DeepSpeed ZeRO) is a
       variable chosen at submission: sbatch --export=ALL,ACCELERATE_CONFIG=solutions/accelerate/
       zero3.yaml batch-lora-2n4g.sh
+hpo   solutions/hpo_optuna.py in a job array: every array task is a worker of one study, and all
+      of them share its journal file on the shared file system; a trial runs as the task's child
+      (1n1g) or with srun + torchrun over the task's 2 nodes (2nGg): two levels of parallelism.
 On GPU sites every training job samples GPU utilisation and memory every 10 s on its first node
 (nvidia-smi or rocm-smi) into RUN_DIR/gpu-<job id>.csv.
 Every training job asks Slurm for SIGUSR1 before its time limit (--signal=B:USR1@S), passes it on
@@ -57,6 +62,8 @@ FIELDS = {
     "data_command": (str, "the command that prepares it"),
     "train_args": (str, "extra stage-script flags, or empty"),
     "finetune_args": (str, "extra flags of the lora stage (solutions/finetune_lora.py), or empty"),
+    "hpo_args": (str, "flags of the Optuna study (solutions/hpo_optuna.py): --trials, budgets"),
+    "hpo_workers": (int, "array tasks of an hpo job: the study's workers"),
     "signal_seconds": (int, "seconds before the time limit at which the job checkpoints"),
 }
 
@@ -160,14 +167,19 @@ def model_parallel_flags(stage, profile, topology):
 
 
 # --- the text of a batch file -------------------------------------------------------------------
-def sbatch_lines(profile, job_name, nodes, tasks_per_node, cpus_per_task, gpus=0, requeue=True):
+def sbatch_lines(profile, job_name, nodes, tasks_per_node, cpus_per_task, gpus=0, requeue=True,
+                 array_tasks=0):
     lines = [f"--job-name={job_name}"]
     lines += [f"--{key}={profile[key]}" for key in ("account", "partition", "qos") if profile[key]]
     lines += [f"--nodes={nodes}", f"--ntasks-per-node={tasks_per_node}",
               f"--cpus-per-task={cpus_per_task}"]
     if gpus and profile["gpu_request"]:
         lines.append(profile["gpu_request"].format(gpus=gpus))
-    lines += [f"--time={profile['time']}", "--output=%x-%j.out"]
+    lines.append(f"--time={profile['time']}")
+    if array_tasks:  # a log per array task: %A the array's job id, %a the task's index
+        lines += [f"--array=0-{array_tasks - 1}", "--output=%x-%A_%a.out"]
+    else:
+        lines.append("--output=%x-%j.out")
     if requeue:  # a requeued job appends to the same log
         lines += ["--open-mode=append", f"--signal=B:USR1@{profile['signal_seconds']}",
                   "--requeue"]
@@ -356,6 +368,56 @@ def mlflow_ui_job(profile):
     return "\n".join(lines) + "\n"
 
 
+def hpo_topologies(profile):
+    """One GPU per trial, and each trial on 2 nodes (the most GPUs of the site's 2-node shapes)."""
+    two_nodes = [t for t in profile["topologies"] if t.nodes == 2]
+    return [Topology(1, 1)] + ([max(two_nodes, key=lambda t: t.gpus)] if two_nodes else [])
+
+
+def hpo_job(profile, topology):
+    """A job array of study workers; the trap passes the time-limit signal to the worker, which
+    stops its trial (checkpointed, queued again in the study) before the task requeues."""
+    site = profile["name"]
+    study_dir = f"runs/{site}-hpo-{topology.name}"
+    lines = header(f"An Optuna study in {study_dir}/: {profile['hpo_workers']} array tasks, each a "
+                   f"worker; every trial on {topology.nodes} node(s) x {topology.gpus} "
+                   f"{'GPU(s)' if profile['gpu_vendor'] != 'none' else 'process(es)'}.",
+                   profile, site)
+    lines += ["# More or fewer workers at submission: sbatch --array=0-7%4 <this file> (at most 4 at "
+              "once)"]
+    lines += sbatch_lines(profile, f"gpt2-hpo-{topology.name}", topology.nodes, 1,
+                          profile["cpus_per_gpu"] * topology.gpus, topology.gpus,
+                          array_tasks=profile["hpo_workers"])
+    driver = [f"python solutions/hpo_optuna.py --preset {profile['preset']} "
+              f"--data {profile['data']} --study-dir {study_dir}"]
+    if topology.nodes > 1:
+        srun_args = profile["srun_args"] if profile["launcher"] == "torchrun" else ""
+        driver.append(f"--nodes {topology.nodes} --nproc-per-node {topology.gpus}"
+                      + (f" --srun-args='{srun_args}'" if srun_args else ""))
+    driver.append(profile["hpo_args"])
+    threads = ("$SLURM_CPUS_PER_TASK" if topology.gpus == 1
+               else f"$((SLURM_CPUS_PER_TASK / {topology.gpus}))")  # a trial's G processes a node
+    lines += [*job_preamble(profile, threads),
+              'echo "array task $SLURM_ARRAY_TASK_ID: job $SLURM_JOB_ID (restart '
+              '${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST"',
+              "",
+              "# Slurm sends SIGUSR1 to this shell before the time limit: the worker stops its trial",
+              "# (which checkpoints and waits in the study to be resumed), then the task requeues.",
+              "preempted=0",
+              """trap 'preempted=1; kill -USR1 "$worker"' USR1""",
+              " \\\n    ".join(driver) + " &",
+              "worker=$!",
+              "status=0",
+              'wait "$worker" || status=$?',
+              'if [ "$preempted" = 1 ]; then',
+              '  wait "$worker" || true',
+              '  echo "pre-empted: requeueing array task $SLURM_ARRAY_TASK_ID ($SLURM_JOB_ID)"',
+              '  scontrol requeue "$SLURM_JOB_ID"',
+              "fi",
+              'exit "$status"']
+    return "\n".join(lines) + "\n"
+
+
 def expected_files(site, root=KIT_ROOT):
     """{path relative to the kit's root: text} of every batch file of a site."""
     profile = load_site(site, root)
@@ -365,6 +427,8 @@ def expected_files(site, root=KIT_ROOT):
         for topology in topologies_for(stage, profile):
             files[f"batchfiles/{site}/batch-{stage}-{topology.name}.sh"] = \
                 training_job(stage, topology, profile)
+    for topology in hpo_topologies(profile):
+        files[f"batchfiles/{site}/batch-hpo-{topology.name}.sh"] = hpo_job(profile, topology)
     return files
 
 

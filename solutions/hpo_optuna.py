@@ -243,10 +243,10 @@ def describe(hyperparameters):
 # A worker: ask the study for a trial, train it, tell the study how it went; until enough trials
 # ----------------------------------------------------------------------------------------------
 def counted_trials(study):
-    """Trials that count towards --trials: finished ones, running ones, and ones waiting to run.
-    A trial interrupted by a signal does not count: it waits in the queue to be resumed."""
-    return sum(1 for t in study.get_trials(deepcopy=False)
-               if t.state != TrialState.FAIL or not t.user_attrs.get("interrupted"))
+    """Trials that count towards --trials: finished and running ones. An interrupted trial does
+    not count, nor does its copy waiting in the queue until a worker resumes it."""
+    return sum(1 for t in study.get_trials(deepcopy=False) if t.state != TrialState.WAITING
+               and not (t.state == TrialState.FAIL and t.user_attrs.get("interrupted")))
 
 
 def run_worker(args, worker):
@@ -337,7 +337,7 @@ def run_baseline(args):
 
 
 def save_atomic(path, write):
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # workers may write at once
     write(tmp)
     tmp.replace(path)
 

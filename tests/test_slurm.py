@@ -17,8 +17,10 @@ from coursekit import KIT_ROOT, data, runs, slurm
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 CI_FILES = sorted(p.name for p in (KIT_ROOT / "batchfiles" / "ci").glob("*.sh"))
 TRAINING_FILES = [name for name in CI_FILES if name not in ("batch-data.sh", "batch-mlflow-ui.sh")
-                  and not name.startswith("batch-lora")]
+                  and not name.startswith(("batch-lora", "batch-hpo"))]
 LORA_FILES = [name for name in CI_FILES if name.startswith("batch-lora")]
+HPO_FILES = [name for name in CI_FILES if name.startswith("batch-hpo")]
+HPO_TRIALS = int(re.search(r"--trials (\d+)", slurm.load_site("ci")["hpo_args"]).group(1))
 LORA_STEPS = int(re.search(r"--max-steps (\d+)", slurm.load_site("ci")["finetune_args"]).group(1))
 # The ddp stage started by srun, one task per process (the launcher of sites that bind each task
 # to its cores, such as LUMI), generated into the test's folder: 2 nodes x 2 tasks
@@ -290,3 +292,45 @@ def test_stopped_job_is_requeued_and_resumes_like_an_uninterrupted_one(cluster, 
     got = runs.read_metrics(run_dir(name))
     assert [(r["step"], r["loss"], r.get("val_loss")) for r in got] == \
            [(r["step"], r["loss"], r.get("val_loss")) for r in reference]
+
+
+@pytest.fixture(scope="session")
+def hpo_finished(cluster, builtin_in_kit):
+    """The hpo job arrays, run to the end: one trial per process with the file's 2 array tasks,
+    and 2-node trials with one task (it holds the whole test cluster)."""
+    results = {}
+    for name in HPO_FILES:
+        study_dir = KIT_ROOT / "runs" / f"ci-{name.removeprefix('batch-').removesuffix('.sh')}"
+        shutil.rmtree(study_dir, ignore_errors=True)
+        array = [] if name == "batch-hpo-1n1g.sh" else ["--array=0"]
+        sbatch = subprocess.run(["sbatch", "--wait", "--parsable", *array,
+                                 f"--output={cluster['logs']}/{name}.%A_%a.out",
+                                 f"batchfiles/ci/{name}"], cwd=KIT_ROOT, env=slurm_env(cluster),
+                                capture_output=True, text=True, timeout=900)
+        job_id = sbatch.stdout.split(";")[0].strip()
+        logs = {int(p.name.rsplit("_", 1)[1].split(".")[0]): p.read_text()
+                for p in cluster["logs"].glob(f"{name}.{job_id}_*.out")}
+        results[name] = (sbatch.returncode, logs, study_dir)
+    yield results
+    for _, _, study_dir in results.values():
+        shutil.rmtree(study_dir, ignore_errors=True)
+
+
+@pytest.mark.parametrize("name, tasks, world_size", [("batch-hpo-1n1g.sh", 2, 1),
+                                                     ("batch-hpo-2n2g.sh", 1, 4)])
+def test_hpo_array_tasks_are_workers_of_one_study(hpo_finished, name, tasks, world_size):
+    import optuna
+
+    status, logs, study_dir = hpo_finished[name]
+    assert status == 0 and sorted(logs) == list(range(tasks)), logs
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(study_dir / "journal.log")))
+    trials = optuna.load_study(study_name="hpo-tiny", storage=storage).get_trials()
+    assert HPO_TRIALS <= len(trials) <= HPO_TRIALS + tasks - 1
+    assert [t.number for t in trials] == list(range(len(trials)))
+    assert all(t.state.name in ("COMPLETE", "PRUNED") for t in trials)
+    assert {t.user_attrs["worker"] for t in trials} == set(range(tasks))  # each task took some
+    for trial in trials:
+        config = runs.read_json(f"{trial.user_attrs['run_dir']}/config.json")
+        assert config["world_size"] == world_size
+    assert runs.read_json(study_dir / "best.json")["trials"] == len(trials)

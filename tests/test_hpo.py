@@ -1,0 +1,198 @@
+"""The hpo stage (solutions/hpo_optuna.py): workers sharing one journal, pruning, the best trial
+against the preset's defaults, results on disk, a re-run continuing the study, and an interrupted
+trial queued and resumed from its checkpoint."""
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from coursekit import KIT_ROOT, data, presets, runs
+
+SCRIPT = KIT_ROOT / "solutions" / "hpo_optuna.py"
+TRIALS = 6
+BUDGET = ["--max-steps", "24", "--eval-interval", "4", "--train-args", "--eval-steps 2"]
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("hpo_optuna", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def hpo(*args, **popen):
+    command = [sys.executable, str(SCRIPT), "--data", str(KIT_ROOT / "data" / "builtin"), *args]
+    if popen:
+        return subprocess.Popen(command, cwd=KIT_ROOT, text=True, **popen)
+    return subprocess.run(command, cwd=KIT_ROOT, capture_output=True, text=True, timeout=900)
+
+
+def load_trials(study_dir, name="hpo-tiny"):
+    storage = optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(str(study_dir / "journal.log")))
+    return optuna.load_study(study_name=name, storage=storage).get_trials()
+
+
+@pytest.fixture(scope="module")
+def builtin():
+    if not (KIT_ROOT / "data" / "builtin" / "meta.json").exists():
+        data.prepare_builtin(KIT_ROOT / "data" / "builtin", progress=False)
+
+
+@pytest.fixture(scope="module")
+def study(builtin, tmp_path_factory):
+    """A TPE study with Hyperband pruning, 2 local workers, and the defaults' baseline run."""
+    study_dir = tmp_path_factory.mktemp("hpo") / "study"
+    result = hpo("--study-dir", str(study_dir), "--trials", str(TRIALS), "--workers", "2",
+                 "--baseline", *BUDGET)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return study_dir, result.stdout
+
+
+@pytest.mark.stages
+@pytest.mark.slow
+def test_two_workers_share_one_journal_and_prune(study):
+    study_dir, _ = study
+    trials = load_trials(study_dir)
+    # a worker stops asking once the study holds --trials: two may both ask for the last one
+    assert TRIALS <= len(trials) <= TRIALS + 1
+    assert [t.number for t in trials] == list(range(len(trials)))
+    assert {t.user_attrs["worker"] for t in trials} == {0, 1}
+    assert all(t.state in (TrialState.COMPLETE, TrialState.PRUNED) for t in trials)
+    pruned = [t for t in trials if t.state == TrialState.PRUNED]
+    assert pruned and len(pruned) < len(trials)
+    for trial in pruned:  # stopped early, at a validation the pruner saw; its checkpoint removed
+        steps = [r["step"] for r in runs.read_metrics(trial.user_attrs["run_dir"])]
+        assert max(trial.intermediate_values) < 24 and max(steps) < 24
+        assert not runs.checkpoint_dir(trial.user_attrs["run_dir"]).exists()
+    run_dirs = {t.user_attrs["run_dir"] for t in trials}
+    assert len(run_dirs) == len(trials)
+
+
+@pytest.mark.stages
+@pytest.mark.slow
+def test_best_trial_beats_the_presets_defaults(study):
+    study_dir, stdout = study
+    trials = load_trials(study_dir)
+    best = min((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.value)
+    # the baseline's loss as its own trainer wrote it, with the same budget and seed
+    baseline = runs.read_metrics(study_dir / "baseline")[-1]
+    baseline_config = runs.read_json(study_dir / "baseline" / "config.json")["args"]
+    assert baseline["step"] == 24 and baseline_config["lr"] == presets.get_preset("tiny").lr
+    assert best.value < baseline["val_loss"], stdout[-3000:]
+    final = runs.read_metrics(best.user_attrs["run_dir"])[-1]
+    assert final["step"] == 24 and final["val_loss"] == pytest.approx(best.value)
+
+
+@pytest.mark.stages
+@pytest.mark.slow
+def test_results_are_written(study):
+    study_dir, stdout = study
+    trials = load_trials(study_dir)
+    summary = runs.read_json(study_dir / "best.json")
+    best = min((t for t in trials if t.state == TrialState.COMPLETE), key=lambda t: t.value)
+    assert summary["best"]["number"] == best.number and summary["trials"] == len(trials)
+    assert summary["states"]["pruned"] == sum(t.state == TrialState.PRUNED for t in trials)
+    rows = (study_dir / "trials.csv").read_text().strip().splitlines()
+    assert len(rows) == len(trials) + 1 and "params_lr" in rows[0]
+    for name in ("history", "importance", "intermediate", "parallel"):
+        image = (study_dir / "plots" / f"{name}.png").read_bytes()
+        assert image.startswith(b"\x89PNG") and len(image) > 5000, name
+    assert f"best: trial {best.number}, val {best.value:.4f}" in stdout
+
+
+@pytest.mark.stages
+@pytest.mark.slow
+def test_running_again_continues_the_study(study):
+    study_dir, _ = study
+    before = load_trials(study_dir)
+    result = hpo("--study-dir", str(study_dir), "--trials", str(len(before) + 1), *BUDGET)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    after = load_trials(study_dir)
+    assert len(after) == len(before) + 1
+    assert [(t.number, t.params, t.value) for t in after[:len(before)]] == \
+           [(t.number, t.params, t.value) for t in before]
+    assert "baseline" not in result.stdout  # the defaults' run is not trained again
+
+
+@pytest.mark.stages
+@pytest.mark.slow
+def test_interrupted_trial_is_queued_and_resumed_from_its_checkpoint(builtin, tmp_path):
+    """SIGTERM (Slurm's requeue or time limit): the trial checkpoints, waits in the study, and the
+    next run resumes it; its metrics continue where they stopped."""
+    study_dir = tmp_path / "study"
+    budget = ["--trials", "1", "--max-steps", "20", "--eval-interval", "10", "--pruner", "none",
+              "--train-args", "--eval-steps 2 --ckpt-interval 2"]
+    driver = hpo("--study-dir", str(study_dir), *budget, stdout=subprocess.PIPE,
+                 stderr=subprocess.STDOUT)
+    metrics = study_dir / "trials" / "0000" / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 5):
+        assert driver.poll() is None and time.monotonic() < deadline, driver.stdout.read()
+        time.sleep(0.5)
+    driver.send_signal(signal.SIGTERM)
+    output = driver.communicate(timeout=300)[0]
+    assert driver.returncode == 0, output
+    assert "SIGTERM received: the running trial is queued" in output
+    first, queued = load_trials(study_dir)
+    assert first.state == TrialState.FAIL and first.user_attrs["interrupted"]
+    assert queued.state == TrialState.WAITING
+    stopped_at = runs.read_metrics(study_dir / "trials" / "0000")[-1]["step"]
+    assert 5 <= stopped_at < 20
+
+    result = hpo("--study-dir", str(study_dir), *budget)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    resumed = load_trials(study_dir)[1]
+    assert resumed.state == TrialState.COMPLETE and resumed.params == first.params
+    assert resumed.user_attrs["run_dir"] == str(study_dir / "trials" / "0000")
+    steps = [r["step"] for r in runs.read_metrics(study_dir / "trials" / "0000")]
+    assert steps == list(range(1, 21))  # resumed from a checkpoint, not retrained from step 1
+    log = (study_dir / "trials" / "0000" / "train.log").read_text()
+    assert log.count("step 1/20 ") == 1
+
+
+def allowed(distribution, value):
+    if isinstance(distribution, optuna.distributions.CategoricalDistribution):
+        return value in distribution.choices
+    return distribution.low <= value <= distribution.high
+
+
+@pytest.mark.unit
+def test_the_grid_lies_inside_the_search_space():
+    """The grid sampler's points must be values the trial's distributions allow."""
+    hpo_optuna = load_script()
+    for name in presets.PRESETS:
+        preset = presets.get_preset(name)
+        for processes in (1, 2, 4, 8):
+            unit = preset.micro_batch * preset.seq_len * processes
+            space = hpo_optuna.search_space(preset, 300, unit)
+            points = hpo_optuna.grid(preset, 300, unit)
+            defaults = hpo_optuna.default_hyperparameters(preset, 300, unit)
+            assert set(points) == set(space) == set(defaults)
+            for param, values in points.items():
+                assert all(allowed(space[param], v) for v in [*values, defaults[param]]), \
+                    (name, param, values)
+            assert all(b % unit == 0 for b in space["batch_tokens"].choices)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("args, message", [
+    (["--max-steps", "10", "--eval-interval", "20"],
+     "--eval-interval 20 is more than --max-steps 10"),
+    (["--storage", "nosuchdb://x"], "--storage 'nosuchdb://x'"),
+    (["--nodes", "2"], "--nodes 2 starts trials with srun: run it inside a Slurm job"),
+    (["--sampler", "bayes"], "argument --sampler: invalid choice: 'bayes'"),
+    (["--trials", "0"], "argument --trials: expected a positive integer, got 0"),
+])
+def test_bad_arguments_get_one_line(builtin, tmp_path, args, message):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    result = subprocess.run([sys.executable, str(SCRIPT), "--study-dir", str(tmp_path), *args],
+                            cwd=KIT_ROOT, capture_output=True, text=True, env=env)
+    assert result.returncode != 0 and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
