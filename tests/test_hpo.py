@@ -16,7 +16,8 @@ from coursekit import KIT_ROOT, data, presets, runs
 
 SCRIPT = KIT_ROOT / "solutions" / "hpo_optuna.py"
 TRIALS = 6
-BUDGET = ["--max-steps", "24", "--eval-interval", "4", "--train-args", "--eval-steps 2"]
+STEPS = 18
+BUDGET = ["--max-steps", str(STEPS), "--eval-interval", "3", "--train-args", "--eval-steps 2"]
 
 
 def load_script():
@@ -69,7 +70,7 @@ def test_two_workers_share_one_journal_and_prune(study):
     assert pruned and len(pruned) < len(trials)
     for trial in pruned:  # stopped early, at a validation the pruner saw; its checkpoint removed
         steps = [r["step"] for r in runs.read_metrics(trial.user_attrs["run_dir"])]
-        assert max(trial.intermediate_values) < 24 and max(steps) < 24
+        assert max(trial.intermediate_values) < STEPS and max(steps) < STEPS
         assert not runs.checkpoint_dir(trial.user_attrs["run_dir"]).exists()
     run_dirs = {t.user_attrs["run_dir"] for t in trials}
     assert len(run_dirs) == len(trials)
@@ -84,10 +85,10 @@ def test_best_trial_beats_the_presets_defaults(study):
     # the baseline's loss as its own trainer wrote it, with the same budget and seed
     baseline = runs.read_metrics(study_dir / "baseline")[-1]
     baseline_config = runs.read_json(study_dir / "baseline" / "config.json")["args"]
-    assert baseline["step"] == 24 and baseline_config["lr"] == presets.get_preset("tiny").lr
+    assert baseline["step"] == STEPS and baseline_config["lr"] == presets.get_preset("tiny").lr
     assert best.value < baseline["val_loss"], stdout[-3000:]
     final = runs.read_metrics(best.user_attrs["run_dir"])[-1]
-    assert final["step"] == 24 and final["val_loss"] == pytest.approx(best.value)
+    assert final["step"] == STEPS and final["val_loss"] == pytest.approx(best.value)
 
 
 @pytest.mark.stages
