@@ -16,6 +16,12 @@ TOKENIZER := $(TIKTOKEN_CACHE_DIR)/.complete
 BUILTIN_DATA := data/builtin/meta.json
 INSTRUCT_DATA := data/instruct/meta.json
 BASE_MODEL := models/kit-tiny/config.json
+# The book's widgets run on the ipywidgets HTML manager and RequireJS, served from the site itself
+# (not a CDN) so that the book works offline; npm fetches them from its registry.
+WIDGETS_JS_DIR := book/static/widgets
+WIDGETS_JS := $(WIDGETS_JS_DIR)/embed-amd.js
+HTML_MANAGER := @jupyter-widgets/html-manager@1.0.15
+REQUIREJS := requirejs@2.3.8
 
 .PHONY: setup book test test-fast lab assignments clean
 
@@ -31,6 +37,19 @@ $(TOKENIZER): $(INSTALLED)
 	$(BIN)/python -m coursekit tokenizer fetch
 	touch $@
 
+# embed-amd.js with the icon fonts it loads from beside itself, require.js, and each package.json
+# (name, version, licence: BSD-3-Clause and MIT)
+$(WIDGETS_JS):
+	rm -rf .cache/npm $(WIDGETS_JS_DIR) && mkdir -p .cache/npm $(WIDGETS_JS_DIR)
+	cd .cache/npm && npm pack --silent $(HTML_MANAGER) $(REQUIREJS) >/dev/null
+	cd .cache/npm && for package in *.tgz; do mkdir -p "$${package%.tgz}" && \
+	  tar -xzf "$$package" -C "$${package%.tgz}"; done
+	cp .cache/npm/jupyter-widgets-html-manager-*/package/dist/embed-amd.js \
+	  .cache/npm/jupyter-widgets-html-manager-*/package/dist/*.{woff,woff2,eot,ttf,svg} $(WIDGETS_JS_DIR)/
+	cp .cache/npm/jupyter-widgets-html-manager-*/package/package.json $(WIDGETS_JS_DIR)/html-manager.package.json
+	cp .cache/npm/requirejs-*/package/require.js $(WIDGETS_JS_DIR)/
+	cp .cache/npm/requirejs-*/package/package.json $(WIDGETS_JS_DIR)/requirejs.package.json
+
 $(BUILTIN_DATA): $(INSTALLED) $(TOKENIZER)
 	$(BIN)/python -m coursekit data prepare --source builtin --out data/builtin
 
@@ -45,12 +64,12 @@ $(BASE_MODEL): $(BUILTIN_DATA)
 
 # Execute every lesson (cached in _build/.jupyter_cache: unchanged lessons are not re-run) and
 # build the HTML book with warnings as errors.
-book: setup $(BUILTIN_DATA) $(INSTRUCT_DATA) $(BASE_MODEL)
+book: setup $(WIDGETS_JS) $(BUILTIN_DATA) $(INSTRUCT_DATA) $(BASE_MODEL)
 	$(BIN)/python -m coursekit envcheck
 	$(BIN)/jupyter-book build . -W -n --keep-going
 	@echo "The book is in _build/html/index.html"
 
-test: setup $(INSTRUCT_DATA) $(BASE_MODEL)
+test: setup $(WIDGETS_JS) $(INSTRUCT_DATA) $(BASE_MODEL)
 	$(BIN)/python -m pytest
 
 test-fast: setup
@@ -64,4 +83,5 @@ assignments: setup
 
 clean:
 	rm -rf $(VENV) .cache data models runs release submitted autograded feedback gradebook.db _build \
+	  $(WIDGETS_JS_DIR) \
 	  .pytest_cache notebooks/*/runs notebooks/*/train_gpt2.py

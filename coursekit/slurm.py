@@ -132,17 +132,25 @@ def parse_topology(text, path, gpus_per_node):
     return topology
 
 
+def topology_problem(stage, profile, topology):
+    """Why the stage cannot run on the topology, or None: std trains on one device, tp on two
+    processes or more, pp on two or more and at most one stage per block."""
+    if stage == "std" and topology.processes != 1:
+        return "the std stage trains on one device: use 1 node and 1 GPU"
+    if stage == "tp" and topology.processes < 2:
+        return "the tp stage splits the model over 2 processes or more"
+    blocks = presets.get_preset(profile["preset"]).n_layer
+    if stage == "pp" and not 2 <= topology.processes <= blocks:
+        return f"the pp stage needs 2 to {blocks} processes (one stage per block at most)"
+    return None
+
+
 def topologies_for(stage, profile):
-    """std trains on one device; tp and pp on the site's topologies of two processes or more
-    (pp: one block per stage at least); every other stage on each of the site's topologies."""
+    """The topologies a site gets batch files for: 1n1g for std, else the profile's own that
+    the stage can run on."""
     if stage == "std":
         return [Topology(1, 1)]
-    if stage == "tp":
-        return [t for t in profile["topologies"] if t.processes >= 2]
-    if stage == "pp":
-        blocks = presets.get_preset(profile["preset"]).n_layer
-        return [t for t in profile["topologies"] if 2 <= t.processes <= blocks]
-    return profile["topologies"]
+    return [t for t in profile["topologies"] if topology_problem(stage, profile, t) is None]
 
 
 def tensor_parallel_size(profile, topology):

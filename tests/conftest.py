@@ -1,8 +1,11 @@
 """Shared fixtures: the kit's root, a freshly built builtin corpus, and a runner for stage scripts."""
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +23,37 @@ def builtin_data(tmp_path_factory):
     out = tmp_path_factory.mktemp("builtin")
     data.prepare_builtin(out, progress=False)
     return out
+
+
+@pytest.fixture(scope="session")
+def built_book(tmp_path_factory):
+    """The HTML book from a cold build (no execution cache) into a temporary folder, exactly as
+    `make book` runs it; built once for the book and the browser tests."""
+    out = tmp_path_factory.mktemp("book")
+    start = time.perf_counter()
+    result = subprocess.run([str(Path(sys.executable).parent / "jupyter-book"), "build", str(KIT_ROOT),
+                             "-W", "-n", "--keep-going", "--path-output", str(out)],
+                            capture_output=True, text=True, timeout=1500)
+    print(f"cold book build: {time.perf_counter() - start:.0f} s")
+    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    return out / "_build" / "html"
+
+
+def debian_tool(binary, *packages):
+    """The path of ``binary``, installed from Debian's ``packages`` with apt-get when it is missing
+    and we may (root in a Debian-like box); the test is skipped when neither works."""
+    found = shutil.which(binary)
+    if found is None and os.geteuid() == 0 and shutil.which("apt-get"):
+        install = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
+        quiet = {"capture_output": True, "env": {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}}
+        if subprocess.run(install, **quiet).returncode != 0:
+            # A fresh image has no package lists yet.
+            subprocess.run(["apt-get", "update"], **quiet)
+            subprocess.run(install, **quiet)
+        found = shutil.which(binary)
+    if found is None:
+        pytest.skip(f"{binary} is not installed and could not be installed with apt-get")
+    return found
 
 
 def stage_command(script, *args):

@@ -1,10 +1,6 @@
 """The Jupyter Book: builds with warnings as errors, lessons executed, every page reachable."""
 import os
 import re
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 import yaml
@@ -23,16 +19,8 @@ def toc_files():
 
 
 @pytest.fixture(scope="module")
-def html(tmp_path_factory):
-    """A cold build (no execution cache) into a temporary folder, exactly as `make book` runs it."""
-    out = tmp_path_factory.mktemp("book")
-    start = time.perf_counter()
-    result = subprocess.run([str(Path(sys.executable).parent / "jupyter-book"), "build", str(KIT_ROOT), "-W", "-n",
-                             "--keep-going", "--path-output", str(out)], capture_output=True, text=True,
-                            timeout=1500)
-    print(f"cold book build: {time.perf_counter() - start:.0f} s")
-    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
-    return out / "_build" / "html"
+def html(built_book):
+    return built_book  # conftest: one cold build for these tests and the browser tests
 
 
 def test_every_toc_entry_is_a_page_reachable_from_the_index(html):
@@ -57,7 +45,7 @@ EXECUTED_OUTPUTS = {
                "final validation loss"],
     "03-lightning": ["ddp_notebook:", "resumed run identical to the uninterrupted one: True"],
     "04-model-parallelism": ["fsdp on 4 processes: largest loss difference from ddp",
-                             "| 2 | params |", "checkpointing:", "bubble predicted 0.33, measured",
+                             "checkpointing:", "bubble predicted 0.33, measured",
                              "tp on 2 processes", "pp on 2 processes (1F1B)"],
     "05-llm-finetuning": ["B is zero at the start: True", "tokens count in the loss",
                           "W + (alpha/r) B A by hand vs the merged model",
@@ -86,6 +74,29 @@ def test_diff_lessons_show_every_hunk_highlighted(html, lesson):
 
 def html_text(text):
     return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def test_tables_that_lessons_print_are_rendered_as_tables(html):
+    page = (html / "notebooks" / "04-model-parallelism" / "04-model-parallelism.html").read_text()
+    assert re.search(r"<th[^>]*>(<p>)?predicted MiB per rank", page)
+    for lesson in EXECUTED_OUTPUTS:
+        assert "|---|" not in (html / "notebooks" / lesson / f"{lesson}.html").read_text()
+
+
+# the lessons that show a widget, and its class in the saved widget state
+WIDGET_LESSONS = {"00-gpus-and-hpc": "FloatSliderModel", "01-single-gpu-gpt": "IntProgressModel",
+                  "02-ddp": "DropdownModel", "04-model-parallelism": "CheckboxModel"}
+
+
+@pytest.mark.parametrize("lesson", WIDGET_LESSONS)
+def test_widget_pages_load_their_javascript_from_the_site(html, lesson):
+    page = (html / "notebooks" / lesson / f"{lesson}.html").read_text()
+    assert 'application/vnd.jupyter.widget-state+json' in page and WIDGET_LESSONS[lesson] in page
+    scripts = re.findall(r'<script[^>]*src="([^"]+)"', page)
+    local = [src for src in scripts if "widgets/" in src]
+    assert [src.rsplit("/", 1)[-1].split("?")[0] for src in local] == ["require.js", "embed-amd.js"]
+    assert all((html / "notebooks" / lesson / src.split("?")[0]).resolve().is_file() for src in local)
+    assert not [src for src in scripts if "://" in src], "a page loads a script from the internet"
 
 
 def test_search_index_is_built(html):

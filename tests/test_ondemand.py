@@ -18,7 +18,6 @@ same, one step at a time:
 import html.parser
 import json
 import os
-import shutil
 import signal
 import stat
 import subprocess
@@ -32,7 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import free_port
+from conftest import debian_tool, free_port
 from coursekit import KIT_ROOT
 
 pytestmark = pytest.mark.unit
@@ -54,19 +53,7 @@ SAMPLE_FORM = {"account": "proj123", "partition": "gpu", "num_gpus": "2", "bc_nu
 
 @pytest.fixture(scope="session")
 def ruby():
-    """A ruby binary; installed with apt-get when missing and we may (root in a Debian-like box)."""
-    found = shutil.which("ruby")
-    if found is None and os.geteuid() == 0 and shutil.which("apt-get"):
-        install = ["apt-get", "install", "-y", "--no-install-recommends", "ruby"]
-        quiet = {"capture_output": True, "env": {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}}
-        if subprocess.run(install, **quiet).returncode != 0:
-            # A fresh image has no package lists yet.
-            subprocess.run(["apt-get", "update"], **quiet)
-            subprocess.run(install, **quiet)
-        found = shutil.which("ruby")
-    if found is None:
-        pytest.skip("ruby is not installed and could not be installed with apt-get")
-    return found
+    return debian_tool("ruby", "ruby")
 
 
 def render(ruby, template, values, tmp_path):

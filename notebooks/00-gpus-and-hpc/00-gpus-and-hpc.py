@@ -203,6 +203,17 @@ ax.legend()
 plt.show()
 
 # %% [markdown]
+# The kit's scaling calculator does the same arithmetic with sliders. Given measured times (here
+# the example's 80 h on 1 GPU and 22 h on 4), it starts at the serial fraction that explains them,
+# your `serial_fraction`, and draws Amdahl's curve through the measurement. Move the sliders: on
+# how many GPUs does the efficiency drop under 50%?
+
+# %%
+from coursekit import widgets
+
+widgets.scaling_calculator({1: 80, 4: 22})
+
+# %% [markdown]
 # ## Slurm: asking for GPUs
 #
 # On a cluster you describe a job in a **batch file**: a shell script whose `#SBATCH` comment

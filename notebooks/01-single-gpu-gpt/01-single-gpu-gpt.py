@@ -37,8 +37,9 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import torch
+from IPython.display import display
 
-from coursekit import KIT_ROOT, data, perf, presets, runs
+from coursekit import KIT_ROOT, data, perf, presets, runs, widgets
 
 DATA = KIT_ROOT / "data" / "builtin"
 if not (DATA / "meta.json").exists():  # the offline corpus: built in seconds, once
@@ -105,6 +106,14 @@ accum = tiny.batch_tokens // (tiny.micro_batch * tiny.seq_len)
 print(f"tiny preset: B={tiny.micro_batch}, T={tiny.seq_len}, grad_accum={accum} -> "
       f"{tokens_per_step(tiny.micro_batch, accum, tiny.seq_len):,} tokens per step, "
       f"{steps_per_epoch(meta['splits']['train']['tokens'], tiny.micro_batch, accum, tiny.seq_len)} steps per epoch")
+
+# %% [markdown]
+# The batch calculator does this arithmetic for any shape; it starts at GPT-2 124M's batch on
+# FineWeb-Edu. Try 8 processes: which `grad_accum` keeps 524,288 tokens per step, and how many
+# steps is an epoch of this lesson's corpus (type its training tokens into "data tokens")?
+
+# %%
+widgets.batch_calculator()
 
 # %% [markdown]
 # ## The model, walked through
@@ -209,10 +218,24 @@ run_dir = Path("runs") / "std-tiny-lesson01"
 shutil.rmtree(run_dir, ignore_errors=True)  # a fresh demonstration run each time the cell runs
 command = [sys.executable, str(KIT_ROOT / "solutions" / "train_gpt2_std.py"), "--preset", "tiny",
            "--data", str(DATA), "--out", str(run_dir), "--max-steps", "60", "--eval-interval", "20"]
+log = run_dir.with_suffix(".log")  # the script's printed lines, beside its run directory
+log.parent.mkdir(exist_ok=True)
 start = time.perf_counter()
-result = subprocess.run(command, capture_output=True, text=True, check=True)
-print("\n".join(result.stdout.splitlines()[:8] + ["..."] + result.stdout.splitlines()[-3:]))
+with open(log, "w") as output:
+    process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+    monitor = widgets.TrainingMonitor(run_dir)  # redraws from metrics.jsonl while the run goes on
+    display(monitor.widget)
+    exit_code = monitor.follow(process)
+lines = log.read_text().splitlines()
+if exit_code != 0:
+    raise RuntimeError("the training script failed:\n" + "\n".join(lines[-20:]))
+print("\n".join(lines[:8] + ["..."] + lines[-3:]))
 print(f"({time.perf_counter() - start:.0f} s)")
+
+# %% [markdown]
+# The widget above is the kit's live monitor: `TrainingMonitor(run_dir).follow(process)` follows
+# a local process, `follow(job_id=...)` a Slurm job (the run directory is on the shared disk).
+# Below, the same numbers read back once the run has ended.
 
 # %%
 metrics = runs.read_metrics(run_dir)

@@ -44,7 +44,7 @@ import matplotlib.pyplot as plt
 import torch
 from IPython.display import Markdown, display
 
-from coursekit import KIT_ROOT, data, diffs, presets, runs, stages
+from coursekit import KIT_ROOT, data, diffs, presets, runs, stages, widgets
 
 DATA = KIT_ROOT / "data" / "builtin"
 if not (DATA / "meta.json").exists():  # the offline corpus: built in seconds, once
@@ -392,6 +392,14 @@ print(f"{'1 process, ' + f'{MICROBATCH_TOKENS:,}-token steps':36s} {throughput(s
       f"weak scaling efficiency of {NPROC} processes: {weak:.0%}")
 
 # %% [markdown]
+# The same runs in the scaling calculator: the time of a step is one over its throughput, so the
+# measured speedup gives the serial fraction that Amdahl's law needs to explain it. Move the
+# processes slider to see what that fraction would cost on a whole node or a rack.
+
+# %%
+widgets.scaling_calculator({1: 1 / throughput(one), NPROC: 1 / throughput(many)})
+
+# %% [markdown]
 # On a laptop CPU these numbers are humbling, and honestly so: one process already uses every core
 # through PyTorch's threads, and `torchrun` gives each of its processes one thread
 # (`OMP_NUM_THREADS=1`), so two processes share the same cores and add communication. The speedup
@@ -485,6 +493,13 @@ plt.show()
 # GPU tensors. The kit's batch files (lesson 00 and `batchfiles/`) set all of this up; a
 # pre-empted job gets SIGUSR1, every rank agrees to stop, rank 0 checkpoints and `--resume`
 # continues with the same data order.
+#
+# The batch-file builder shows the file the kit's generator writes for a site, a stage and a
+# shape: pick your cluster's profile, 2 nodes and its GPUs per node, and read how the job finds
+# its rendezvous host, starts `torchrun` on every node and requeues itself when pre-empted.
+
+# %%
+widgets.batchfile_builder(site="ci", stage="ddp")
 
 # %% [markdown]
 # ## Key points
