@@ -25,10 +25,17 @@ def builtin_data(tmp_path_factory):
     return out
 
 
+def pytest_addoption(parser):
+    parser.addoption("--built-book", metavar="DIR", help="test this already built HTML book (for "
+                     "example _build/html after `make book`) instead of building one cold")
+
+
 @pytest.fixture(scope="session")
-def built_book(tmp_path_factory):
+def built_book(tmp_path_factory, request):
     """The HTML book from a cold build (no execution cache) into a temporary folder, exactly as
     `make book` runs it; built once for the book and the browser tests."""
+    if request.config.getoption("--built-book"):
+        return Path(request.config.getoption("--built-book")).resolve()
     out = tmp_path_factory.mktemp("book")
     start = time.perf_counter()
     result = subprocess.run([str(Path(sys.executable).parent / "jupyter-book"), "build", str(KIT_ROOT),

@@ -5,9 +5,10 @@ import re
 import pytest
 import yaml
 
-from coursekit import KIT_ROOT, diffs
+from coursekit import KIT_ROOT, diffs, grading
 
-pytestmark = [pytest.mark.book, pytest.mark.slow]
+# the first test builds the book (conftest.built_book): a cold build of every lesson
+pytestmark = [pytest.mark.book, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 def toc_files():
@@ -21,6 +22,12 @@ def toc_files():
 @pytest.fixture(scope="module")
 def html(built_book):
     return built_book  # conftest: one cold build for these tests and the browser tests
+
+
+def test_every_lesson_and_prose_chapter_is_in_the_table_of_contents():
+    chapters = {str(p.relative_to(KIT_ROOT).with_suffix("")) for p in (KIT_ROOT / "book").glob("*.md")}
+    lessons = {f"notebooks/{lesson}/{lesson}" for lesson in grading.lessons(KIT_ROOT)}
+    assert len(lessons) >= 8 and sorted((chapters | lessons) - set(toc_files())) == []
 
 
 def test_every_toc_entry_is_a_page_reachable_from_the_index(html):

@@ -34,7 +34,8 @@ from selenium.webdriver.support.ui import WebDriverWait
 
 from coursekit import KIT_ROOT
 
-pytestmark = [pytest.mark.browser, pytest.mark.slow]
+# the first book test may be the one that builds the book (conftest.built_book)
+pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 SCREENSHOTS = KIT_ROOT / "_build" / "browser"
 LESSON_01 = KIT_ROOT / "notebooks" / "01-single-gpu-gpt" / "01-single-gpu-gpt.ipynb"

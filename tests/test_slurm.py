@@ -6,13 +6,14 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import time
 import urllib.request
 
 import psutil
 import pytest
 
-from coursekit import KIT_ROOT, data, runs, slurm
+from coursekit import KIT_ROOT, data, runs, slurm, widgets
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 CI_FILES = sorted(p.name for p in (KIT_ROOT / "batchfiles" / "ci").glob("*.sh"))
@@ -334,3 +335,20 @@ def test_hpo_array_tasks_are_workers_of_one_study(hpo_finished, name, tasks, wor
         config = runs.read_json(f"{trial.user_attrs['run_dir']}/config.json")
         assert config["world_size"] == world_size
     assert runs.read_json(study_dir / "best.json")["trials"] == len(trials)
+
+
+def test_the_training_monitor_follows_a_slurm_job_until_it_leaves_the_queue(cluster, builtin_in_kit,
+                                                                            tmp_path, monkeypatch):
+    for name, value in slurm_env(cluster).items():  # the widget's squeue asks the test cluster
+        monkeypatch.setenv(name, value)
+    train = " ".join([sys.executable, str(KIT_ROOT / "solutions" / "train_gpt2_std.py"),
+                      "--preset tiny --max-steps 8 --eval-interval 4 --eval-steps 1",
+                      f"--sample-tokens 0 --out {tmp_path / 'run'}"])
+    job_id = subprocess.run(["sbatch", "--parsable", f"--output={tmp_path / 'job.out'}",
+                             f"--wrap={train}"], cwd=KIT_ROOT, capture_output=True, text=True,
+                            check=True).stdout.split(";")[0].strip()
+    monitor = widgets.TrainingMonitor(tmp_path / "run")
+    assert monitor.follow(job_id=job_id, interval=1) is None
+    assert job_state(cluster, job_id) == "COMPLETED", (tmp_path / "job.out").read_text()[-2000:]
+    assert (monitor.progress.value, monitor.progress.max) == (8, 8)
+    assert monitor.status.value.startswith("step 8 of 8: loss ")
