@@ -352,6 +352,8 @@ def data_job(profile):
     lines = header(f"Prepares {profile['data']} once, before the training jobs.", profile, site)
     lines += sbatch_lines(profile, "gpt2-data", 1, 1, profile["cpus_per_gpu"], requeue=False)
     lines += [*job_preamble(profile, "$SLURM_CPUS_PER_TASK"),
+              "# this job is the one that downloads: the profile's offline switches are for training",
+              "unset HF_HUB_OFFLINE HF_DATASETS_OFFLINE",
               f'{profile["data_command"]} --workers "$SLURM_CPUS_PER_TASK"']
     return "\n".join(lines) + "\n"
 

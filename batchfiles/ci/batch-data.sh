@@ -16,4 +16,6 @@ test -f solutions/train_gpt2_std.py || { echo "submit from the kit's root" >&2; 
 source .venv/bin/activate
 export TIKTOKEN_CACHE_DIR="$PWD/.cache/tiktoken"
 export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK  # the CPU cores each process was given
+# this job is the one that downloads: the profile's offline switches are for training
+unset HF_HUB_OFFLINE HF_DATASETS_OFFLINE
 python -m coursekit data prepare --source builtin --out data/builtin --workers "$SLURM_CPUS_PER_TASK"

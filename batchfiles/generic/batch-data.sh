@@ -19,4 +19,6 @@ export TIKTOKEN_CACHE_DIR="$PWD/.cache/tiktoken"
 export HF_HUB_OFFLINE="1"
 export HF_DATASETS_OFFLINE="1"
 export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK  # the CPU cores each process was given
+# this job is the one that downloads: the profile's offline switches are for training
+unset HF_HUB_OFFLINE HF_DATASETS_OFFLINE
 python -m coursekit data prepare --source fineweb-edu --out data/fineweb-edu --shards 100 --workers "$SLURM_CPUS_PER_TASK"

@@ -25,4 +25,6 @@ export NCCL_NET_GDR_LEVEL="PHB"
 export MIOPEN_USER_DB_PATH="/tmp/$USER-miopen-cache-$SLURM_JOB_ID"
 export MIOPEN_CUSTOM_CACHE_DIR="/tmp/$USER-miopen-cache-$SLURM_JOB_ID"
 export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK  # the CPU cores each process was given
+# this job is the one that downloads: the profile's offline switches are for training
+unset HF_HUB_OFFLINE HF_DATASETS_OFFLINE
 python -m coursekit data prepare --source fineweb-edu --out data/fineweb-edu --shards 100 --workers "$SLURM_CPUS_PER_TASK"
