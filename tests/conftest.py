@@ -25,6 +25,17 @@ def builtin_data(tmp_path_factory):
     return out
 
 
+#: Screenshots the browser tests saved in this session, listed at the end of the test output.
+SCREENSHOTS = []
+
+
+def pytest_terminal_summary(terminalreporter):
+    if SCREENSHOTS:
+        terminalreporter.write_sep("-", "browser screenshots")
+        for path in SCREENSHOTS:
+            terminalreporter.write_line(str(path))
+
+
 def pytest_addoption(parser):
     parser.addoption("--built-book", metavar="DIR", help="test this already built HTML book (for "
                      "example _build/html after `make book`) instead of building one cold")

@@ -7,7 +7,7 @@ with Selenium): what a reader and a trainee see.
 - JupyterLab on 127.0.0.1 with a token: lesson 01 opens, runs all its cells with no error output,
   and moving a slider of its batch calculator changes what the calculator shows.
 
-Screenshots are kept in _build/browser/ and their paths printed.
+Screenshots are kept in _build/browser/ and listed at the end of the test output.
 """
 import functools
 import http.server
@@ -24,7 +24,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import debian_tool, free_port, kit_env
+from conftest import SCREENSHOTS, debian_tool, free_port, kit_env
 from PIL import Image
 from selenium import webdriver
 from selenium.webdriver.chrome.service import Service
@@ -37,7 +37,7 @@ from coursekit import KIT_ROOT
 # the first book test may be the one that builds the book (conftest.built_book)
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(1800)]
 
-SCREENSHOTS = KIT_ROOT / "_build" / "browser"
+SCREENSHOT_DIR = KIT_ROOT / "_build" / "browser"
 LESSON_01 = KIT_ROOT / "notebooks" / "01-single-gpu-gpt" / "01-single-gpu-gpt.ipynb"
 
 
@@ -69,11 +69,11 @@ def wait_for(driver, condition, seconds, what):
 
 def screenshot(element, name):
     """Save the element's screenshot; returns its share of pixels that are not background."""
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
     png = element.screenshot_as_png
-    path = SCREENSHOTS / f"{name}.png"
+    path = SCREENSHOT_DIR / f"{name}.png"
     path.write_bytes(png)
-    print(f"screenshot: {path}")
+    SCREENSHOTS.append(path)
     image = Image.open(io.BytesIO(png)).convert("L")
     background = max(image.histogram())  # the most common grey level
     return 1 - background / (image.width * image.height)
