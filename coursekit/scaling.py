@@ -23,6 +23,8 @@ def tokens_per_step(micro_batch, grad_accum, seq_len, processes=1):
 
 def steps_per_epoch(dataset_tokens, micro_batch, grad_accum, seq_len, processes=1):
     """Whole optimiser steps in one pass over ``dataset_tokens``."""
+    if dataset_tokens < 0:
+        raise KitError(f"dataset tokens cannot be negative, got {dataset_tokens!r}")
     return dataset_tokens // tokens_per_step(micro_batch, grad_accum, seq_len, processes)
 
 

@@ -47,6 +47,7 @@ def test_measured_rows_are_sorted_and_start_at_one_process():
 
 @pytest.mark.parametrize("call, message", [
     (lambda: scaling.tokens_per_step(0, 1, 128), "micro_batch must be positive, got 0"),
+    (lambda: scaling.steps_per_epoch(-1, 4, 1, 128), "dataset tokens cannot be negative, got -1"),
     (lambda: scaling.speedup(10, -1), "tp must be positive, got -1"),
     (lambda: scaling.amdahl_speedup(1.5, 4), "serial fraction must be between 0 and 1, got 1.5"),
     (lambda: scaling.karp_flatt(10, 5, 1), "needs 2 processes or more, got 1"),
