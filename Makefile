@@ -49,6 +49,7 @@ $(WIDGETS_JS):
 	cp .cache/npm/jupyter-widgets-html-manager-*/package/package.json $(WIDGETS_JS_DIR)/html-manager.package.json
 	cp .cache/npm/requirejs-*/package/require.js $(WIDGETS_JS_DIR)/
 	cp .cache/npm/requirejs-*/package/package.json $(WIDGETS_JS_DIR)/requirejs.package.json
+	rm -rf .cache/npm
 
 $(BUILTIN_DATA): $(INSTALLED) $(TOKENIZER)
 	$(BIN)/python -m coursekit data prepare --source builtin --out data/builtin
