@@ -16,12 +16,13 @@ TOKENIZER := $(TIKTOKEN_CACHE_DIR)/.complete
 BUILTIN_DATA := data/builtin/meta.json
 INSTRUCT_DATA := data/instruct/meta.json
 BASE_MODEL := models/kit-tiny/config.json
-# The book's widgets run on the ipywidgets HTML manager and RequireJS, served from the site itself
-# (not a CDN) so that the book works offline; npm fetches them from its registry.
-WIDGETS_JS_DIR := book/static/widgets
-WIDGETS_JS := $(WIDGETS_JS_DIR)/embed-amd.js
+# The book's widgets run on the ipywidgets HTML manager and RequireJS, and its formulas on MathJax,
+# all served from the site itself (not a CDN) so that the book works offline; npm fetches them.
+BOOK_JS_DIR := book/static
+BOOK_JS := $(BOOK_JS_DIR)/.complete
 HTML_MANAGER := @jupyter-widgets/html-manager@1.0.15
 REQUIREJS := requirejs@2.3.8
+MATHJAX := mathjax@3.2.2
 
 .PHONY: setup book test test-fast lab assignments clean
 
@@ -37,19 +38,23 @@ $(TOKENIZER): $(INSTALLED)
 	$(BIN)/python -m coursekit tokenizer fetch
 	touch $@
 
-# embed-amd.js with the icon fonts it loads from beside itself, require.js, and each package.json
-# (name, version, licence: BSD-3-Clause and MIT)
-$(WIDGETS_JS):
-	rm -rf .cache/npm $(WIDGETS_JS_DIR) && mkdir -p .cache/npm $(WIDGETS_JS_DIR)
-	cd .cache/npm && npm pack --silent $(HTML_MANAGER) $(REQUIREJS) >/dev/null
+# widgets/: embed-amd.js with the icon fonts it loads from beside itself, and require.js;
+# mathjax/: MathJax's CommonHTML bundle with the fonts and TeX extensions it loads on demand (its
+# speech-rule engine and other bundles left out). Each package.json names the version and licence.
+$(BOOK_JS):
+	rm -rf .cache/npm $(BOOK_JS_DIR) && mkdir -p .cache/npm $(BOOK_JS_DIR)/widgets $(BOOK_JS_DIR)/mathjax
+	cd .cache/npm && npm pack --silent $(HTML_MANAGER) $(REQUIREJS) $(MATHJAX) >/dev/null
 	cd .cache/npm && for package in *.tgz; do mkdir -p "$${package%.tgz}" && \
 	  tar -xzf "$$package" -C "$${package%.tgz}"; done
-	cp .cache/npm/jupyter-widgets-html-manager-*/package/dist/embed-amd.js \
-	  .cache/npm/jupyter-widgets-html-manager-*/package/dist/*.{woff,woff2,eot,ttf,svg} $(WIDGETS_JS_DIR)/
-	cp .cache/npm/jupyter-widgets-html-manager-*/package/package.json $(WIDGETS_JS_DIR)/html-manager.package.json
-	cp .cache/npm/requirejs-*/package/require.js $(WIDGETS_JS_DIR)/
-	cp .cache/npm/requirejs-*/package/package.json $(WIDGETS_JS_DIR)/requirejs.package.json
+	cd .cache/npm/jupyter-widgets-html-manager-*/package && \
+	  cp dist/embed-amd.js dist/*.{woff,woff2,eot,ttf,svg} $(CURDIR)/$(BOOK_JS_DIR)/widgets/ && \
+	  cp package.json $(CURDIR)/$(BOOK_JS_DIR)/widgets/html-manager.package.json
+	cd .cache/npm/requirejs-*/package && cp require.js $(CURDIR)/$(BOOK_JS_DIR)/widgets/ && \
+	  cp package.json $(CURDIR)/$(BOOK_JS_DIR)/widgets/requirejs.package.json
+	cd .cache/npm/mathjax-*/package && cp package.json $(CURDIR)/$(BOOK_JS_DIR)/mathjax/ && \
+	  cd es5 && cp -r tex-mml-chtml.js a11y adaptors input output ui $(CURDIR)/$(BOOK_JS_DIR)/mathjax/
 	rm -rf .cache/npm
+	touch $@
 
 $(BUILTIN_DATA): $(INSTALLED) $(TOKENIZER)
 	$(BIN)/python -m coursekit data prepare --source builtin --out data/builtin
@@ -65,12 +70,12 @@ $(BASE_MODEL): $(BUILTIN_DATA)
 
 # Execute every lesson (cached in _build/.jupyter_cache: unchanged lessons are not re-run) and
 # build the HTML book with warnings as errors.
-book: setup $(WIDGETS_JS) $(BUILTIN_DATA) $(INSTRUCT_DATA) $(BASE_MODEL)
+book: setup $(BOOK_JS) $(BUILTIN_DATA) $(INSTRUCT_DATA) $(BASE_MODEL)
 	$(BIN)/python -m coursekit envcheck
 	$(BIN)/jupyter-book build . -W -n --keep-going
 	@echo "The book is in _build/html/index.html"
 
-test: setup $(WIDGETS_JS) $(INSTRUCT_DATA) $(BASE_MODEL)
+test: setup $(BOOK_JS) $(INSTRUCT_DATA) $(BASE_MODEL)
 	$(BIN)/python -m pytest
 
 test-fast: setup
@@ -84,5 +89,5 @@ assignments: setup
 
 clean:
 	rm -rf $(VENV) .cache data models runs release submitted autograded feedback gradebook.db _build \
-	  $(WIDGETS_JS_DIR) \
+	  $(BOOK_JS_DIR) \
 	  .pytest_cache notebooks/*/runs notebooks/*/train_gpt2.py

@@ -106,5 +106,14 @@ def test_widget_pages_load_their_javascript_from_the_site(html, lesson):
     assert not [src for src in scripts if "://" in src], "a page loads a script from the internet"
 
 
+def test_no_page_loads_a_script_or_stylesheet_from_the_internet(html):
+    online = {}
+    for page in html.rglob("*.html"):
+        found = re.findall(r'<(?:script|link)[^>]*(?:src|href)="(https?://[^"]+)"', page.read_text())
+        if found:
+            online[str(page.relative_to(html))] = found
+    assert online == {}  # MathJax and the widget manager are served from _static/
+
+
 def test_search_index_is_built(html):
     assert (html / "search.html").is_file() and (html / "searchindex.js").is_file()
