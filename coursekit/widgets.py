@@ -147,10 +147,10 @@ def scaling_table(times, serial_fraction, max_processes):
     ax.set_ylabel("speedup")
     ax.legend()
     limit = "none" if serial_fraction == 0 else f"{1 / serial_fraction:,.1f}"
-    return (f"{text}speedup on {max_processes} processes: "
-            f"<b>{scaling.amdahl_speedup(serial_fraction, max_processes):.1f}</b> "
-            f"(efficiency {scaling.amdahl_speedup(serial_fraction, max_processes) / max_processes:.0%});"
-            f" limit with any number: <b>{limit}</b><br>{figure_html(fig)}")
+    at_most = scaling.amdahl_speedup(serial_fraction, max_processes)
+    return (f"{text}speedup on {max_processes} processes: <b>{at_most:.1f}</b> "
+            f"(efficiency {at_most / max_processes:.0%}); limit with any number: <b>{limit}</b><br>"
+            f"{figure_html(fig)}")
 
 
 def scaling_calculator(times=None, max_processes=64):
