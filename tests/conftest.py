@@ -1,4 +1,11 @@
-"""Shared fixtures: the kit's root, a freshly built builtin corpus, and a runner for stage scripts."""
+"""Shared fixtures: the kit's root, a freshly built builtin corpus, and a runner for stage scripts.
+
+And the suite's rule on skips: a test that does not run is not a pass. Only tests marked `gpu`
+may skip (they skip where CUDA is absent). Any other skip, or a Debian tool that cannot be
+installed, fails the run on CI (CI set) and whenever the tests run as root, where everything can
+be installed and started. A developer running tests as non-root with CI unset may see such skips
+(the Slurm cluster needs root); the run then passes, and its summary lists them under a banner.
+"""
 import os
 import shutil
 import socket
@@ -29,11 +36,76 @@ def builtin_data(tmp_path_factory):
 SCREENSHOTS = []
 
 
+def strict_checks():
+    """True on CI and as root: there every tool can be had, so a test that cannot run fails."""
+    return os.environ.get("CI", "").lower() not in ("", "0", "false") or os.geteuid() == 0
+
+
+#: (test id, reason) of every test skipped in this session, with and without the gpu marker.
+GPU_SKIPS, OTHER_SKIPS = [], []
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker("gpu"):
+        import torch  # only here: most runs have no gpu test and need not pay for the import
+
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.skipped and not hasattr(report, "wasxfail"):  # an expected failure is no skip
+        skips = GPU_SKIPS if item.get_closest_marker("gpu") else OTHER_SKIPS
+        skips.append((item.nodeid, skip_reason(report)))
+    return report
+
+
+def pytest_collectreport(report):
+    # A module skipped while it is imported: its markers are unknown, so it counts as a non-gpu
+    # skip (gpu tests skip through their marker, above).
+    if report.skipped:
+        OTHER_SKIPS.append((report.nodeid, skip_reason(report)))
+
+
+def skip_reason(report):
+    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def pytest_sessionfinish(session):
+    # pytest exits with session.exitstatus as it stands after this hook.
+    passing = (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
+    if OTHER_SKIPS and strict_checks() and session.exitstatus in passing:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_terminal_summary(terminalreporter):
+    report_screenshots(terminalreporter)
+    report_skips(terminalreporter)
+
+
+def report_screenshots(terminalreporter):
     if SCREENSHOTS:
         terminalreporter.write_sep("-", "browser screenshots")
         for path in SCREENSHOTS:
             terminalreporter.write_line(str(path))
+
+
+def report_skips(terminalreporter):
+    """The number of skips, always; the skips outside the gpu marker under a banner."""
+    count = (f"{len(GPU_SKIPS) + len(OTHER_SKIPS)} skipped "
+             f"({len(GPU_SKIPS)} marked gpu, {len(OTHER_SKIPS)} not)")
+    if not OTHER_SKIPS:
+        terminalreporter.write_sep("=", count, green=True)
+        return
+    verdict = ("which fails this run (CI or root)" if strict_checks() else
+               "allowed only because this run is not CI and not root; CI fails on them")
+    terminalreporter.write_sep("!", f"{count}: only gpu tests may skip, {verdict}", red=True,
+                               bold=True)
+    for nodeid, reason in OTHER_SKIPS:
+        terminalreporter.write_line(f"SKIPPED {nodeid}: {reason}", red=True)
 
 
 def pytest_addoption(parser):
@@ -59,19 +131,33 @@ def built_book(tmp_path_factory, request):
 
 def debian_tool(binary, *packages):
     """The path of ``binary``, installed from Debian's ``packages`` with apt-get when it is missing
-    and we may (root in a Debian-like box); the test is skipped when neither works."""
-    found = shutil.which(binary)
-    if found is None and os.geteuid() == 0 and shutil.which("apt-get"):
-        install = ["apt-get", "install", "-y", "--no-install-recommends", *packages]
-        quiet = {"capture_output": True, "env": {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}}
-        if subprocess.run(install, **quiet).returncode != 0:
-            # A fresh image has no package lists yet.
-            subprocess.run(["apt-get", "update"], **quiet)
-            subprocess.run(install, **quiet)
-        found = shutil.which(binary)
-    if found is None:
-        pytest.skip(f"{binary} is not installed and could not be installed with apt-get")
-    return found
+    and we may (root in a Debian-like box). When neither works the test fails on CI and as root,
+    so that a broken mirror or a renamed package cannot pass as a skip; elsewhere it is skipped."""
+    if not shutil.which(binary):
+        log = (apt_install(packages) if os.geteuid() == 0 and shutil.which("apt-get") else
+               "(not tried: installing needs root and apt-get)")
+        if not shutil.which(binary):
+            message = (f"{binary} is not installed, and apt-get install {' '.join(packages)} "
+                       f"did not provide it:\n{log}")
+            if strict_checks():
+                pytest.fail(message, pytrace=False)
+            pytest.skip(message)
+    return shutil.which(binary)
+
+
+def apt_install(packages):
+    """Install Debian packages; returns what apt-get said, for the message when it fails."""
+    # another developer's apt-get may hold the lock for a while: wait for it rather than fail
+    apt = ["apt-get", "-o", "DPkg::Lock::Timeout=300"]
+    install = [*apt, "install", "-y", "--no-install-recommends", *packages]
+    quiet = {"capture_output": True, "text": True,
+             "env": {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}}
+    runs = [subprocess.run(install, **quiet)]
+    if runs[-1].returncode != 0:
+        # A fresh image has no package lists yet.
+        runs += [subprocess.run([*apt, "update"], **quiet), subprocess.run(install, **quiet)]
+    return "\n".join(f"$ {' '.join(done.args)}  (exit {done.returncode})\n"
+                     f"{(done.stdout + done.stderr)[-3000:]}" for done in runs)
 
 
 def stage_command(script, *args):
