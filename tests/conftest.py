@@ -81,9 +81,10 @@ def pytest_sessionfinish(session):
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
-def pytest_terminal_summary(terminalreporter):
+def pytest_terminal_summary(terminalreporter, config):
     report_screenshots(terminalreporter)
-    report_skips(terminalreporter)
+    if not config.option.collectonly:  # nothing ran, nothing skipped
+        report_skips(terminalreporter)
 
 
 def report_screenshots(terminalreporter):
@@ -210,3 +211,65 @@ def run_as_srun_tasks(script, ntasks, *args, timeout=600):
             task.kill()
     return [subprocess.CompletedProcess(command, task.returncode, out, err)
             for task, (out, err) in zip(tasks, outputs)]
+
+
+# --- Runs that several stage test files read --------------------------------------------------
+# Each is trained once per session and only read afterwards; a test that has to change a run
+# copies it first. They pass --device cpu: 2 processes share the CPU even where one GPU is
+# present, and the CPU is what they test.
+ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # as torchrun sets it
+TWENTY_STEPS = ["--preset", "tiny", "--max-steps", "20", "--eval-interval", "10",
+                "--ckpt-interval", "10", "--sample-tokens", "0", "--device", "cpu"]
+TEN_STEPS = ["--preset", "tiny", "--max-steps", "10", "--eval-interval", "5", "--ckpt-interval",
+             "5", "--sample-tokens", "0", "--device", "cpu"]
+
+
+def torchrun_command(nproc, script, *args):
+    torchrun = Path(sys.executable).parent / "torchrun"
+    return [str(torchrun), "--standalone", f"--nproc-per-node={nproc}", str(script),
+            *map(str, args)]
+
+
+def torchrun(nproc, script, *args, check=True):
+    result = subprocess.run(torchrun_command(nproc, script, *args), capture_output=True,
+                            text=True, timeout=600, env=kit_env())
+    if check:
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def expected_backends():
+    """What a ddp/fsdp/tp process group reports here: NCCL joins gloo where torch sees a GPU."""
+    import torch
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "cpu:gloo"
+
+
+@pytest.fixture(scope="session")
+def std_twenty_steps(builtin_data, tmp_path_factory):
+    """The std stage's 20-step run in one thread (two such runs agree bit for bit): the reference
+    of std's resume tests and of ddp and lit at the same global batch. Its run directory."""
+    out = tmp_path_factory.mktemp("std20")
+    result = run_stage("train_gpt2_std.py", *TWENTY_STEPS, "--data", builtin_data, "--out", out,
+                       env=kit_env(ONE_THREAD))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="session")
+def ddp_ten_steps(builtin_data, tmp_path_factory):
+    """10 steps of the ddp stage on 2 processes: what fsdp, tp and pp must train like, and a ddp
+    run to export. Its run directory."""
+    out = tmp_path_factory.mktemp("ddp10")
+    torchrun(2, KIT_ROOT / "solutions" / "train_gpt2_ddp.py", *TEN_STEPS, "--data", builtin_data,
+             "--out", out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def fsdp_ten_steps(builtin_data, tmp_path_factory):
+    """10 steps of the fsdp stage on 2 processes, checkpoints at 5 and 10: (run directory,
+    stdout)."""
+    out = tmp_path_factory.mktemp("fsdp10")
+    result = torchrun(2, KIT_ROOT / "solutions" / "train_gpt2_fsdp.py", *TEN_STEPS,
+                      "--data", builtin_data, "--out", out)
+    return out, result.stdout

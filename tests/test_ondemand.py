@@ -14,6 +14,10 @@ same, one step at a time:
 - end to end: before.sh and script.sh, run by a small stand-in for OnDemand's job wrapper, start
   JupyterLab from the kit's venv, which answers under OnDemand's /node/<host>/<port>/ path with the
   session's password as its token, and the Connect button's login form logs a browser in.
+
+Markers: the tests that render a template need Ruby (apt-get installs it on first use) and are
+`ondemand`; the end-to-end session starts JupyterLab and MLflow and is `slow` too; only the two
+that read the app's files and nothing else are `unit`.
 """
 import html.parser
 import json
@@ -33,8 +37,6 @@ import yaml
 
 from conftest import debian_tool, free_port
 from coursekit import KIT_ROOT
-
-pytestmark = pytest.mark.unit
 
 APP = KIT_ROOT / "ondemand"
 RENDER_RB = Path(__file__).parent / "ondemand" / "render.rb"
@@ -75,6 +77,7 @@ def form_values(ruby, tmp_path, **typed):
 
 # --- manifest.yml and form.yml.erb ----------------------------------------------------------------
 
+@pytest.mark.unit
 def test_manifest_declares_a_batch_connect_app():
     manifest = yaml.safe_load((APP / "manifest.yml").read_text())
     assert manifest["role"] == "batch_connect"
@@ -83,6 +86,7 @@ def test_manifest_declares_a_batch_connect_app():
     assert manifest["subcategory"] and manifest["description"]
 
 
+@pytest.mark.ondemand
 def test_form_defines_every_field_it_shows(ruby, tmp_path):
     form = yaml.safe_load(render(ruby, "form.yml.erb", {}, tmp_path))
     attributes = form["attributes"]
@@ -94,6 +98,7 @@ def test_form_defines_every_field_it_shows(ruby, tmp_path):
     assert attributes["account"]["required"] is True and not attributes["account"]["value"]
 
 
+@pytest.mark.ondemand
 @pytest.mark.parametrize("name, value, low, high", [("bc_num_hours", 2, 1, 12),
                                                     ("num_gpus", 1, 0, 4)])
 def test_form_numbers_have_their_default_and_bounds(ruby, tmp_path, name, value, low, high):
@@ -101,6 +106,7 @@ def test_form_numbers_have_their_default_and_bounds(ruby, tmp_path, name, value,
     assert (field["value"], field["min"], field["max"]) == (value, low, high)
 
 
+@pytest.mark.ondemand
 def test_form_defaults_for_partition_and_kit(ruby, tmp_path):
     attributes = yaml.safe_load(render(ruby, "form.yml.erb", {}, tmp_path))["attributes"]
     assert attributes["partition"]["value"] == "gpu"
@@ -116,6 +122,7 @@ def native_options(ruby, tmp_path, **typed):
     return submit["script"]["native"]
 
 
+@pytest.mark.ondemand
 def test_submit_asks_for_the_account_partition_and_gpus(ruby, tmp_path):
     native = native_options(ruby, tmp_path, bc_num_hours="3", num_gpus="2", account="proj123",
                             partition="gpu")
@@ -126,6 +133,7 @@ def test_submit_asks_for_the_account_partition_and_gpus(ruby, tmp_path):
     assert not [option for option in native if option.startswith(("--time", "-t"))]
 
 
+@pytest.mark.ondemand
 @pytest.mark.parametrize("gpus, cpus", [("0", 2), ("1", 8), ("4", 32), ("9", 32)])
 def test_cpus_follow_the_gpus_and_cpu_only_asks_for_no_gpu(ruby, tmp_path, gpus, cpus):
     native = native_options(ruby, tmp_path, num_gpus=gpus)
@@ -135,6 +143,7 @@ def test_cpus_follow_the_gpus_and_cpu_only_asks_for_no_gpu(ruby, tmp_path, gpus,
     assert gpu_options == expected
 
 
+@pytest.mark.ondemand
 def test_typed_text_cannot_break_the_yaml(ruby, tmp_path):
     native = native_options(ruby, tmp_path, account='a"b: c', partition=" gpu ")
     assert 'a"b: c' in native[0] and "--partition=gpu" in native
@@ -152,6 +161,7 @@ def render_template(ruby, template, tmp_path, **typed):
     return render(ruby, template, {"context": form_values(ruby, tmp_path, **typed)}, tmp_path)
 
 
+@pytest.mark.ondemand
 @pytest.mark.parametrize("template", TEMPLATES)
 def test_rendered_scripts_pass_shellcheck_and_bash_n(ruby, tmp_path, template):
     script = tmp_path / Path(template).stem
@@ -164,6 +174,7 @@ def test_rendered_scripts_pass_shellcheck_and_bash_n(ruby, tmp_path, template):
     assert syntax.returncode == 0, syntax.stderr
 
 
+@pytest.mark.ondemand
 @pytest.mark.parametrize("template, values", [
     ("form.yml.erb", {}),
     ("submit.yml.erb", SAMPLE_FORM),
@@ -176,6 +187,7 @@ def test_no_erb_tags_are_left(ruby, tmp_path, template, values):
     assert "<%" not in text and "%>" not in text
 
 
+@pytest.mark.unit
 def test_script_is_executable_and_before_is_not_a_program():
     # OnDemand runs template/script.sh as a program and sources before.sh.
     assert (APP / "template/script.sh.erb").stat().st_mode & stat.S_IXUSR
@@ -219,6 +231,7 @@ def job_env(home, port, fake_bin=None):
             "SLURM_CPUS_PER_TASK": "2"}
 
 
+@pytest.mark.ondemand
 def test_before_writes_a_private_config_with_the_session_port(ruby, tmp_path):
     job = stage_session(ruby, tmp_path, kit_dir="~/kit")
     (job / "wrapper.sh").write_text(ONDEMAND_WRAPPER.replace("exec ./script.sh", "env"))
@@ -234,6 +247,7 @@ def test_before_writes_a_private_config_with_the_session_port(ruby, tmp_path):
     assert exported["port"] == "43210" and len(exported["password"]) == 16
 
 
+@pytest.mark.ondemand
 @pytest.mark.parametrize("make_kit, message", [(True, "run `make setup`"),
                                                (False, "no course kit at")])
 def test_script_stops_in_one_line_without_the_kit_or_its_venv(ruby, tmp_path, make_kit, message):
@@ -280,18 +294,29 @@ def wait_for_jupyter(url, token, process, log, timeout=90):
             with urllib.request.urlopen(request, timeout=5) as answer:
                 return json.load(answer)
         except (urllib.error.URLError, ConnectionError):
-            time.sleep(0.5)
+            time.sleep(0.5)  # the interval between two requests: the loop waits for an answer
     pytest.fail(f"JupyterLab did not answer within {timeout} s:\n{log.read_text()}")
 
 
 def connection_file(job, process, log, timeout=30):
     """The host, port and password the wrapper saved, as OnDemand's connection.yml."""
     deadline = time.monotonic() + timeout
-    while not (job / "connection.yml").exists():
+    while (connection := saved_connection(job)) is None:
         if process.poll() is not None or time.monotonic() > deadline:
             pytest.fail(f"before.sh did not finish:\n{log.read_text()}")
-        time.sleep(0.2)
-    return yaml.safe_load((job / "connection.yml").read_text())
+        time.sleep(0.2)  # the interval between two looks, not a wait for the file
+    return connection
+
+
+def saved_connection(job):
+    """connection.yml once it holds all three fields: the file exists from the moment printf's
+    redirection creates it, before anything is written to it."""
+    try:
+        saved = yaml.safe_load((job / "connection.yml").read_text())
+    except FileNotFoundError:
+        return None
+    complete = isinstance(saved, dict) and {"host", "port", "password"} <= saved.keys()
+    return saved if complete else None
 
 
 def stop(process):
@@ -305,6 +330,8 @@ def stop(process):
             process.wait()
 
 
+@pytest.mark.ondemand
+@pytest.mark.slow
 def test_session_starts_jupyterlab_behind_the_node_proxy(ruby, tmp_path):
     # The user's home holds the kit at the form's default place, $HOME/gpt-course-kit.
     home = tmp_path / "home"
