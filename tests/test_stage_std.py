@@ -3,20 +3,21 @@ import math
 import re
 import signal
 import subprocess
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import kit_env, run_stage, stage_command
+from conftest import ONE_THREAD, TWENTY_STEPS, kit_env, run_stage, stage_command
 from coursekit import runs, stages
+from helpers import interrupt
 
 pytestmark = pytest.mark.stages
 SCRIPT = "train_gpt2_std.py"
 STEP_LINE = re.compile(r"step (\d+)/(\d+) \| loss (\d+\.\d+) \| lr (\S+) \| grad_norm (\S+) \| "
                        r"(\S+) ms \| ([\d,]+) tok/s \| mfu (\S+)%")
 LN_VOCAB = math.log(50304)
+std = stages.load("std")
 
 
 @pytest.fixture(scope="module")
@@ -71,39 +72,30 @@ def test_checkpoint_is_safetensors_and_json_and_reproduces_the_model(tiny_run, b
     tensors = load_file(ckpt / "tensors.safetensors")  # no pickle: cannot run code
     assert all(isinstance(t, torch.Tensor) for t in tensors.values())
 
-    std = stages.load("std")
     config = runs.read_json(out / "config.json")
-    model = std.GPT(std.GPTConfig(**config["model"]))
+    device = torch.device(config["device"])  # where it trained, with the precision it used there
+    model = std.GPT(std.GPTConfig(**config["model"])).to(device)
     step, state = runs.load_checkpoint(out)
     model.load_state_dict(state["model"], strict=True)
     args = config["args"]
     val_loader = std.TokenShardLoader(builtin_data, "val", args["micro_batch"], args["seq_len"])
-    val_loss = std.evaluate(model, val_loader, args["eval_steps"], torch.device("cpu"),
-                            std.autocast_for(torch.device("cpu"))[0])
+    val_loss = std.evaluate(model, val_loader, args["eval_steps"], device,
+                            std.autocast_for(device)[0])
     assert val_loss == pytest.approx(runs.read_metrics(out)[-1]["val_loss"], abs=1e-6)
 
 
 # --- resume: interrupted runs continue exactly ------------------------------------------------
-SHORT = ["--preset", "tiny", "--max-steps", "30", "--eval-interval", "10", "--sample-tokens", "0"]
 EXACT = ("step", "lr", "epoch")
 REPORTED = ("loss", "grad_norm", "val_loss")
 # Two identical multi-threaded CPU runs were seen to drift apart (1e-6 after a few steps, 1e-4 by
 # step 11) when the machine was busy, while single-threaded runs agree bit for bit. The resume
-# runs use one thread so that any difference is the resume's fault.
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# runs, and their reference (conftest's std_twenty_steps), use one thread so that any difference
+# is the resume's fault.
 
 
 @pytest.fixture(scope="module")
-def reference_run(builtin_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("reference")
-    result = run_stage(SCRIPT, *SHORT, "--data", builtin_data, "--out", out, env=kit_env(ONE_THREAD))
-    assert result.returncode == 0, result.stderr
-    return out
-
-
-@pytest.fixture(scope="module")
-def reference_metrics(reference_run):
-    return runs.read_metrics(reference_run)
+def reference_metrics(std_twenty_steps):
+    return runs.read_metrics(std_twenty_steps)
 
 
 def assert_same_run(metrics, reference):
@@ -116,40 +108,42 @@ def assert_same_run(metrics, reference):
                 assert got.get(key) == expected[key], (got["step"], key)
 
 
-def interrupt_at(step, how, command, run_dir):
-    """Start a run and deliver ``how`` once it has logged ``step`` steps."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                               text=True, env=kit_env(ONE_THREAD))
-    deadline = time.time() + 300
-    while len(runs.read_metrics(run_dir)) < step:
-        assert process.poll() is None and time.time() < deadline, process.communicate()
-        time.sleep(0.2)
+def interrupt_at(step, how, command):
+    """Start a run and deliver ``how`` as soon as it has printed the line of ``step``: long
+    before the run could end (20 steps) or reach its next checkpoint."""
+    process = interrupt.start(command, kit_env(ONE_THREAD))
+    lines = interrupt.read_until(process, f"step {step}/")
     process.send_signal(how)
-    stdout, stderr = process.communicate(timeout=120)
-    return process.returncode, stdout, stderr
+    return interrupt.finish(process, lines)
 
 
-@pytest.mark.parametrize("how, ckpt_interval", [(signal.SIGTERM, 1000), (signal.SIGUSR1, 1000),
-                                                (signal.SIGKILL, 10)], ids=["SIGTERM", "SIGUSR1", "SIGKILL"])
-def test_resume_after_interruption_is_identical(builtin_data, tmp_path, reference_run,
-                                                reference_metrics, how, ckpt_interval):
-    command = stage_command(SCRIPT, *SHORT, "--data", builtin_data, "--out", tmp_path,
+# SIGKILL: no chance to save, so the run falls back to its checkpoint at step 10, two steps
+# before the kill; the signals Slurm sends before a pre-emption are caught at step 5.
+@pytest.mark.parametrize("how, ckpt_interval, at", [(signal.SIGTERM, 1000, 5),
+                                                    (signal.SIGUSR1, 1000, 5),
+                                                    (signal.SIGKILL, 10, 12)],
+                         ids=["SIGTERM", "SIGUSR1", "SIGKILL"])
+def test_resume_after_interruption_is_identical(builtin_data, tmp_path, std_twenty_steps,
+                                                reference_metrics, how, ckpt_interval, at):
+    command = stage_command(SCRIPT, *TWENTY_STEPS, "--data", builtin_data, "--out", tmp_path,
                             "--ckpt-interval", ckpt_interval)
-    returncode, stdout, _ = interrupt_at(14, how, command, tmp_path)
+    returncode, output = interrupt_at(at, how, command)
     stopped_at = runs.read_metrics(tmp_path)[-1]["step"]
+    assert stopped_at >= at
     if how == signal.SIGKILL:
         assert returncode == -signal.SIGKILL and runs.load_checkpoint(tmp_path)[0] == 10
     else:  # the Slurm pre-emption signals: checkpoint, say so, exit 0 for the requeue
-        assert returncode == 0 and f"{how.name} received: checkpoint saved at step {stopped_at}" in stdout
-        assert stopped_at < 30 and runs.load_checkpoint(tmp_path)[0] == stopped_at
+        assert returncode == 0, output[-3000:]
+        assert f"{how.name} received: checkpoint saved at step {stopped_at}" in output
+        assert stopped_at < 20 and runs.load_checkpoint(tmp_path)[0] == stopped_at
 
     resumed = subprocess.run(command + ["--resume"], capture_output=True, text=True,
                              env=kit_env(ONE_THREAD), timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout
     assert_same_run(runs.read_metrics(tmp_path), reference_metrics)
-    final, expected = runs.load_checkpoint(tmp_path), runs.load_checkpoint(reference_run)
-    assert final[0] == expected[0] == 30
+    final, expected = runs.load_checkpoint(tmp_path), runs.load_checkpoint(std_twenty_steps)
+    assert final[0] == expected[0] == 20
     for part in ("model", "optimizer", "train_loader"):
         assert_identical(final[1][part], expected[1][part])
 
@@ -172,11 +166,86 @@ def assert_identical(got, expected):
 
 @pytest.mark.slow
 def test_compile_gives_the_same_first_loss(builtin_data, tmp_path, reference_metrics):
-    result = run_stage(SCRIPT, *SHORT[:2], "--max-steps", "2", "--sample-tokens", "0", "--compile",
-                       "--data", builtin_data, "--out", tmp_path)
+    result = run_stage(SCRIPT, "--preset", "tiny", "--max-steps", "1", "--sample-tokens", "0",
+                       "--device", "cpu", "--compile", "--data", builtin_data, "--out", tmp_path)
     assert result.returncode == 0, result.stderr
     assert "compile on" in result.stdout
     assert runs.read_metrics(tmp_path)[0]["loss"] == pytest.approx(reference_metrics[0]["loss"], abs=1e-4)
+
+
+# --- the model and optimiser flags: one step each, compared with a run at the defaults ----------
+ONE_STEP = ["--preset", "tiny", "--max-steps", "1", "--sample-tokens", "0", "--device", "cpu"]
+FLAG_RUNS = {"plain": ["--weight-decay", "0"],
+             "decayed": ["--weight-decay", "0.5"],
+             "reseeded": ["--weight-decay", "0", "--seed", "7"],
+             "shallow": ["--n-layer", "1"]}
+
+
+@pytest.fixture(scope="module")
+def flag_runs(builtin_data, tmp_path_factory):
+    """{name: (first loss, model state after the step, config.json)} of one-step runs, in one
+    thread so that runs that should agree do so bit for bit."""
+    found = {}
+    for name, flags in FLAG_RUNS.items():
+        out = tmp_path_factory.mktemp(name)
+        result = run_stage(SCRIPT, *ONE_STEP, *flags, "--data", builtin_data, "--out", out,
+                           env=kit_env(ONE_THREAD))
+        assert result.returncode == 0, result.stderr[-3000:]
+        found[name] = (runs.read_metrics(out)[0], runs.load_checkpoint(out)[1]["model"],
+                       runs.read_json(out / "config.json"))
+    return found
+
+
+def initial_model(config, seed):
+    """The weights the script starts from: its GPT built after torch.manual_seed(seed)."""
+    torch.manual_seed(seed)
+    return std.GPT(std.GPTConfig(**config["model"])).state_dict()
+
+
+def test_seed_sets_the_initial_weights(flag_runs):
+    (plain, plain_model, config), (reseeded, reseeded_model, _) = \
+        flag_runs["plain"], flag_runs["reseeded"]
+    assert reseeded["loss"] != plain["loss"]
+    # weights one step away from seed 7's initial ones, far from seed 1337's (Adam moves each
+    # weight by at most about lr in a step)
+    lr = plain["lr"]
+    for name, start in initial_model(config, 7).items():
+        assert (reseeded_model[name] - start).abs().max() <= 1.01 * lr, name
+    position_table = "transformer.wpe.weight"
+    assert (reseeded_model[position_table] - plain_model[position_table]).abs().max() > 10 * lr
+
+
+def test_same_seed_gives_the_same_first_step(flag_runs):
+    """The decayed run differs from the plain one only by its weight decay: same first loss,
+    gradients and so the same update of every parameter that does not decay."""
+    (plain, plain_model, _), (decayed, decayed_model, _) = flag_runs["plain"], flag_runs["decayed"]
+    assert decayed["loss"] == plain["loss"] and decayed["grad_norm"] == plain["grad_norm"]
+    for name, tensor in plain_model.items():
+        if tensor.dim() < 2:
+            assert torch.equal(decayed_model[name], tensor), name
+
+
+def test_weight_decay_shrinks_the_matrices(flag_runs):
+    """AdamW's decoupled decay: p <- p - lr * wd * p before the Adam update, matrices only. With
+    the same gradients, plain - decayed = lr * 0.5 * (initial weights) for every matrix."""
+    (plain, plain_model, config), (_, decayed_model, decayed_config) = \
+        flag_runs["plain"], flag_runs["decayed"]
+    assert (config["args"]["weight_decay"], decayed_config["args"]["weight_decay"]) == (0.0, 0.5)
+    for name, start in initial_model(config, 1337).items():
+        if start.dim() >= 2:
+            shrink = plain_model[name] - decayed_model[name]
+            torch.testing.assert_close(shrink, plain["lr"] * 0.5 * start, rtol=0, atol=2e-8,
+                                       msg=name)
+
+
+def test_n_layer_sets_the_depth(flag_runs):
+    (_, plain_model, plain_config), (_, shallow_model, config) = \
+        flag_runs["plain"], flag_runs["shallow"]
+    assert config["model"]["n_layer"] == 1 and plain_config["model"]["n_layer"] == 4
+    expected = sum(p.numel() for p in std.GPT(std.GPTConfig(**config["model"])).parameters())
+    assert config["parameters"] == expected < plain_config["parameters"]
+    blocks = {name.split(".")[2] for name in shallow_model if name.startswith("transformer.h.")}
+    assert blocks == {"0"}
 
 
 # --- bad input: one line naming the value and what is allowed ---------------------------------
@@ -197,18 +266,37 @@ BAD_ARGUMENTS = [
 ]
 
 
+def parse_error(capsys, *args):
+    """(exit status, stderr) of the script's own argument parsing, in this process: the first
+    thing main() does, before any tensor or file is made."""
+    with pytest.raises(SystemExit) as stopped:
+        std.parse_args(list(map(str, args)))
+    return stopped.value.code, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("args, message", BAD_ARGUMENTS, ids=[" ".join(a) for a, _ in BAD_ARGUMENTS])
-def test_bad_arguments_give_one_line(builtin_data, tmp_path, args, message):
-    result = run_stage(SCRIPT, "--preset", "tiny", "--data", builtin_data, "--out", tmp_path / "r", *args)
+def test_bad_arguments_give_one_line(builtin_data, tmp_path, capsys, args, message):
+    status, stderr = parse_error(capsys, "--preset", "tiny", "--data", builtin_data,
+                                 "--out", tmp_path / "r", *args)
+    assert status == 2
+    assert message in stderr, stderr
+    assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
+
+
+def test_a_bad_argument_stops_the_script_with_one_line(builtin_data, tmp_path):
+    """The same as a whole process: exit status 2 and nothing on stderr but the one line."""
+    result = run_stage(SCRIPT, "--preset", "tiny", "--data", builtin_data, "--out", tmp_path / "r",
+                       "--batch-tokens", "1000")
     assert result.returncode == 2
-    assert message in result.stderr, result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert result.stderr.startswith("train_gpt2_std.py: error: --batch-tokens 1000 is not")
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def test_missing_data_says_how_to_prepare_it(tmp_path):
-    result = run_stage(SCRIPT, "--preset", "tiny", "--data", tmp_path / "nodata", "--out", tmp_path / "r")
-    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
-    assert f"python -m coursekit data prepare --source builtin --out {tmp_path / 'nodata'}" in result.stderr
+def test_missing_data_says_how_to_prepare_it(tmp_path, capsys):
+    status, stderr = parse_error(capsys, "--preset", "tiny", "--data", tmp_path / "nodata",
+                                 "--out", tmp_path / "r")
+    assert status == 2 and len(stderr.strip().splitlines()) == 1
+    assert f"python -m coursekit data prepare --source builtin --out {tmp_path / 'nodata'}" in stderr
 
 
 def test_existing_run_is_not_overwritten_without_resume(tiny_run, builtin_data):
@@ -219,7 +307,8 @@ def test_existing_run_is_not_overwritten_without_resume(tiny_run, builtin_data):
     assert (out / "metrics.jsonl").read_bytes() == before
 
 
-def test_out_that_is_a_file_is_refused(builtin_data, tmp_path):
+def test_out_that_is_a_file_is_refused(builtin_data, tmp_path, capsys):
     (tmp_path / "file").write_text("x")
-    result = run_stage(SCRIPT, "--preset", "tiny", "--data", builtin_data, "--out", tmp_path / "file")
-    assert result.returncode == 2 and "is a file, not a run directory" in result.stderr
+    status, stderr = parse_error(capsys, "--preset", "tiny", "--data", builtin_data,
+                                 "--out", tmp_path / "file")
+    assert status == 2 and "is a file, not a run directory" in stderr
