@@ -84,6 +84,8 @@ test-fast: setup
 lab: setup
 	$(BIN)/jupyter lab --ip 127.0.0.1 --no-browser $(if $(filter 0,$(shell id -u)),--allow-root)
 
+# Student versions: solutions and hidden tests removed. When grading, autograde skips the cells
+# tagged "demo" (runs and launches no exercise needs; nbgrader_config.py, book/instructor.md).
 assignments: setup
 	$(BIN)/python -m coursekit assignments
 

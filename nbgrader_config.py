@@ -4,6 +4,8 @@
     nbgrader autograde 01-single-gpu-gpt    grade submitted/<student>/01-single-gpu-gpt/*.ipynb
     nbgrader formgrader (in JupyterLab)     manual grading and feedback
 """
+from coursekit import grading
+
 c = get_config()  # noqa: F821 (provided by nbgrader when it loads this file)
 
 c.CourseDirectory.source_directory = "notebooks"
@@ -15,3 +17,7 @@ c.CourseDirectory.feedback_directory = "feedback"
 c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedback", "runs",
                             "[0-9][0-9]-*.py", "train_gpt2.py"]
 c.ExecutePreprocessor.timeout = 600
+# Autograde runs only what grading needs: cells tagged "demo" (training runs, launches, plots of
+# runs) are not executed, and no graded cell may carry that tag (the kit's sanitising step).
+c.Execute.skip_cells_with_tag = grading.DEMO_TAG
+c.Autograde.sanitize_preprocessors = grading.sanitize_preprocessors()

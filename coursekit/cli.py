@@ -173,7 +173,7 @@ def run_assignments(args):
     from coursekit import KIT_ROOT, grading
     root = args.root or KIT_ROOT
     names = grading.lessons(root)
-    release = grading.generate(root, names)
+    release = grading.generate(root)
     print(f"student versions of {len(names)} lessons in {release}: {', '.join(names)}")
 
 

@@ -1,7 +1,11 @@
 """nbgrader for the lessons: every folder in notebooks/ is an assignment, its notebook the source.
 
 The course root holds nbgrader_config.py; `generate` writes student versions to release/,
-`autograde` grades a submitted notebook and returns its per-cell scores from the gradebook.
+`autograde` grades submitted notebooks and returns their per-cell scores from the gradebook.
+
+Autograde runs only what grading needs. Cells tagged ``demo`` (training runs, launches, plots of
+runs: what a lesson shows but no exercise needs) are not executed when grading; nbval and the
+book still run them. `GradedCellsRun` keeps a submission from tagging a graded cell away.
 """
 import os
 import shutil
@@ -9,13 +13,36 @@ import subprocess
 import sys
 from pathlib import Path
 
+from nbgrader.preprocessors import NbGraderPreprocessor
+
 from coursekit import KitError
+
+#: The cell tag that autograde skips (nbgrader_config.py sets it as Execute.skip_cells_with_tag).
+DEMO_TAG = "demo"
 
 
 def lessons(root):
     """Lesson folders (assignment names) that have a notebook, in order."""
     return sorted(p.name for p in (Path(root) / "notebooks").iterdir()
                   if p.is_dir() and (p / f"{p.name}.ipynb").exists())
+
+
+class GradedCellsRun(NbGraderPreprocessor):
+    """Takes the demo tag off every graded, solution or locked cell of a submission, so that a
+    student cannot skip a test by tagging it; runs among autograde's sanitising steps."""
+
+    def preprocess_cell(self, cell, resources, index):
+        nbgrader = cell.metadata.get("nbgrader", {})
+        tags = cell.metadata.get("tags", [])
+        if DEMO_TAG in tags and any(nbgrader.get(kind) for kind in ("grade", "solution", "locked")):
+            cell.metadata["tags"] = [tag for tag in tags if tag != DEMO_TAG]
+        return cell, resources
+
+
+def sanitize_preprocessors():
+    """nbgrader's own sanitising steps for autograde, then `GradedCellsRun`."""
+    from nbgrader.converters import Autograde
+    return [*Autograde.class_traits()["sanitize_preprocessors"].default(), GradedCellsRun]
 
 
 def nbgrader(root, *args):
@@ -29,21 +56,24 @@ def nbgrader(root, *args):
     return result
 
 
-def generate(root, names=None):
-    """Student versions of the lessons into root/release/<lesson>/."""
-    for name in names or lessons(root):
-        nbgrader(root, "generate_assignment", name, "--force")
+def generate(root):
+    """Student versions of every lesson into root/release/<lesson>/, in one nbgrader run."""
+    nbgrader(root, "generate_assignment", "*", "--force")
     return Path(root) / "release"
 
 
-def autograde(root, lesson, student, notebook):
-    """Grade ``notebook`` as ``student``'s submission of ``lesson``: {grade_id: (score, max)}."""
+def autograde(root, lesson, submissions):
+    """Copy ``submissions`` ({student: notebook path}) of ``lesson`` into root/submitted/ and
+    autograde every submission of the lesson there in one nbgrader run, as an instructor does:
+    {student: {grade_id: (score, max)}} for the students given."""
     from nbgrader.api import Gradebook
 
-    submission = Path(root) / "submitted" / student / lesson
-    submission.mkdir(parents=True, exist_ok=True)
-    shutil.copy(notebook, submission / f"{lesson}.ipynb")
-    nbgrader(root, "autograde", lesson, "--student", student, "--force")
+    for student, notebook in submissions.items():
+        folder = Path(root) / "submitted" / student / lesson
+        folder.mkdir(parents=True, exist_ok=True)
+        shutil.copy(notebook, folder / f"{lesson}.ipynb")
+    nbgrader(root, "autograde", lesson, "--force")
     with Gradebook(f"sqlite:///{Path(root).resolve()}/gradebook.db") as gradebook:
-        graded = gradebook.find_submission_notebook(lesson, lesson, student)
-        return {grade.name: (grade.score, grade.max_score) for grade in graded.grades}
+        return {student: {grade.name: (grade.score, grade.max_score) for grade in
+                          gradebook.find_submission_notebook(lesson, lesson, student).grades}
+                for student in submissions}

@@ -1,8 +1,10 @@
-"""nbgrader: student versions hold no solutions or hidden tests; the solution scores full marks,
-the untouched student version scores zero on every graded cell."""
+"""nbgrader: student versions hold no solutions or hidden tests; autograde skips the demo cells
+and still grades right: the source scores full marks, the untouched student version zero on every
+graded cell, and leaving one exercise unsolved loses exactly that exercise's points."""
 import shutil
 
 import jupytext
+import nbformat
 import pytest
 
 from coursekit import KIT_ROOT, grading
@@ -22,10 +24,75 @@ def course(tmp_path_factory):
     return root
 
 
+def source_notebook(lesson):
+    return KIT_ROOT / "notebooks" / lesson / f"{lesson}.ipynb"
+
+
+def nbgrader_cells(notebook):
+    return [cell for cell in notebook.cells if "nbgrader" in cell.metadata]
+
+
+def exercises(notebook):
+    """{solution cell id: ids of the graded cells after it, up to the next solution cell}."""
+    found, current = {}, None
+    for cell in nbgrader_cells(notebook):
+        if cell.metadata.nbgrader.get("solution"):
+            current = found.setdefault(cell.metadata.nbgrader.grade_id, [])
+        if cell.metadata.nbgrader.get("grade"):
+            current.append(cell.metadata.nbgrader.grade_id)
+    return found
+
+
+def with_cells_from(notebook, donor, grade_ids):
+    """A copy of ``notebook`` whose cells ``grade_ids`` are the ``donor`` notebook's."""
+    replacement = {c.metadata.nbgrader.grade_id: c for c in nbgrader_cells(donor)}
+    copy = nbformat.from_dict(notebook)
+    copy.cells = [replacement[c.metadata.nbgrader.grade_id]
+                  if c.metadata.get("nbgrader", {}).get("grade_id") in grade_ids else c
+                  for c in copy.cells]
+    return copy
+
+
+def with_graded_cells_tagged_demo(notebook):
+    """What a student might try: tag the test cells so that autograde skips them."""
+    copy = nbformat.from_dict(notebook)
+    for cell in nbgrader_cells(copy):
+        if cell.metadata.nbgrader.get("grade"):
+            cell.metadata["tags"] = [*cell.metadata.get("tags", []), grading.DEMO_TAG]
+    return copy
+
+
+@pytest.fixture(scope="module")
+def graded(course, tmp_path_factory):
+    """Per lesson, graded once when a test first asks: (exercises, {student: scores}) for the
+    source notebook ("solution"), the release ("blank") and, for each exercise, the source with
+    that exercise's solution cell put back as released ("without-<id>")."""
+    results = {}
+
+    def grade(lesson):
+        if lesson not in results:
+            folder = tmp_path_factory.mktemp(f"submissions-{lesson}")
+            source = nbformat.read(source_notebook(lesson), as_version=4)
+            release = nbformat.read(course / "release" / lesson / f"{lesson}.ipynb", as_version=4)
+            notebooks = {"solution": source, "blank": release}
+            for exercise in exercises(source):
+                notebooks[f"without-{exercise}"] = with_cells_from(source, release, {exercise})
+            if lesson == LESSONS[0]:  # the sanitising step is the same for every lesson
+                notebooks["blank-tests-tagged-demo"] = with_graded_cells_tagged_demo(release)
+            paths = {}
+            for student, notebook in notebooks.items():
+                paths[student] = folder / f"{student}.ipynb"
+                nbformat.write(notebook, paths[student])
+            results[lesson] = exercises(source), grading.autograde(course, lesson, paths)
+        return results[lesson]
+
+    return grade
+
+
 def marked_and_unmarked_lines(lesson):
     """The source notebook's non-blank lines inside solution and hidden-test blocks, and outside."""
     marked, unmarked, inside = set(), set(), False
-    for cell in jupytext.read(KIT_ROOT / "notebooks" / lesson / f"{lesson}.ipynb").cells:
+    for cell in jupytext.read(source_notebook(lesson)).cells:
         for line in (line.strip() for line in cell.source.splitlines()):
             if line in ("### BEGIN SOLUTION", "### BEGIN HIDDEN TESTS"):
                 inside = True
@@ -51,15 +118,38 @@ def test_release_holds_no_solutions_or_hidden_tests(course, lesson):
 
 
 @pytest.mark.parametrize("lesson", LESSONS)
-def test_solution_scores_full_marks(course, lesson):
-    scores = grading.autograde(course, lesson, "solution",
-                               KIT_ROOT / "notebooks" / lesson / f"{lesson}.ipynb")
-    assert len(scores) >= 3
-    assert {name: score for name, (score, _) in scores.items()} == \
-           {name: maximum for name, (_, maximum) in scores.items()}
+def test_lesson_marks_its_demonstrations_for_autograde_to_skip(lesson):
+    """Each lesson tags the cells no exercise needs; a graded or solution cell is never one."""
+    cells = nbformat.read(source_notebook(lesson), as_version=4).cells
+    demos = [c for c in cells if grading.DEMO_TAG in c.metadata.get("tags", [])]
+    assert demos and all(c.cell_type == "code" and "nbgrader" not in c.metadata for c in demos)
 
 
 @pytest.mark.parametrize("lesson", LESSONS)
-def test_untouched_student_version_scores_zero(course, lesson):
-    scores = grading.autograde(course, lesson, "blank", course / "release" / lesson / f"{lesson}.ipynb")
-    assert len(scores) >= 3 and all(score == 0 for score, _ in scores.values())
+def test_solution_scores_full_marks(graded, lesson):
+    _, scores = graded(lesson)
+    solution = scores["solution"]
+    assert len(solution) >= 3 and all(score == maximum for score, maximum in solution.values())
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_untouched_student_version_scores_zero(graded, lesson):
+    _, scores = graded(lesson)
+    assert len(scores["blank"]) >= 3 and all(score == 0 for score, _ in scores["blank"].values())
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_one_unsolved_exercise_loses_exactly_its_points(graded, lesson):
+    exercise_cells, scores = graded(lesson)
+    assert len(exercise_cells) >= 3
+    for exercise, its_tests in exercise_cells.items():
+        got = scores[f"without-{exercise}"]
+        expected = {cell: (0 if cell in its_tests else maximum) for cell, (_, maximum) in got.items()}
+        assert its_tests and {cell: score for cell, (score, _) in got.items()} == expected, exercise
+
+
+def test_a_test_cell_tagged_demo_is_still_run(graded):
+    """A student who tags the release's test cells `demo` still scores zero."""
+    _, scores = graded(LESSONS[0])
+    tagged = scores["blank-tests-tagged-demo"]
+    assert len(tagged) >= 3 and all(score == 0 for score, _ in tagged.values())

@@ -44,7 +44,7 @@
 #
 # First, what does this kernel see?
 
-# %%
+# %% tags=["demo"]
 from coursekit import envcheck
 
 print(envcheck.report(envcheck.collect()))
@@ -76,7 +76,7 @@ assert abs(achieved_tflops(8192, 0.00111) - 990.6) < 0.1  # an H100 at its bf16 
 # device's peak. The peak of a GPU comes from its datasheet; for a CPU we estimate it as
 # cores × clock × FLOPs per cycle of its vector units.
 
-# %%
+# %% tags=["demo"]
 import time
 
 import matplotlib.pyplot as plt
@@ -187,7 +187,7 @@ assert abs(amdahl_speedup(0.1, 4) - 1 / 0.325) < 1e-12
 assert abs(serial_fraction(100, 100 * amdahl_speedup(0.2, 16) ** -1, 16) - 0.2) < 1e-12
 ### END HIDDEN TESTS
 
-# %%
+# %% tags=["demo"]
 import numpy as np
 
 gpus = np.arange(1, 257)
@@ -208,7 +208,7 @@ plt.show()
 # your `serial_fraction`, and draws Amdahl's curve through the measurement. Move the sliders: on
 # how many GPUs does the efficiency drop under 50%?
 
-# %%
+# %% tags=["demo"]
 from coursekit import widgets
 
 widgets.scaling_calculator({1: 80, 4: 22})
@@ -279,7 +279,7 @@ assert total_gpus("#!/bin/bash\n#SBATCH --nodes=2\n") == 0
 # What does Slurm say about the session you are in? On a laptop there is no Slurm, and the cell
 # says so; inside an Open OnDemand JupyterLab the kernel runs in a job and sees its variables.
 
-# %% tags=["cluster"]
+# %% tags=["cluster", "demo"]
 import os
 import shutil
 import subprocess

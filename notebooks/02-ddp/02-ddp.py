@@ -53,6 +53,9 @@ std, ddp = stages.load("std"), stages.load("ddp")  # solutions/train_gpt2_{std,d
 tiny = presets.get_preset("tiny")
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")  # installed next to this kernel's python
 print(f"torch {torch.__version__}; GPUs visible: {torch.cuda.device_count()}")
+# Run length, the one knob of this lesson: the short runs take seconds on a laptop's CPU and show
+# the same things; with GPUs the longer ones are as quick. Set it to True or False to choose.
+LONGER_RUNS = torch.cuda.is_available()
 
 # %% [markdown]
 # ## One model, many copies
@@ -73,7 +76,7 @@ print(f"torch {torch.__version__}; GPUs visible: {torch.cuda.device_count()}")
 # Check the maths on the GPT of lesson 01 before any process is started: the gradient of 8
 # samples equals the mean of the gradients of two halves of 4.
 
-# %%
+# %% tags=["demo"]
 config = std.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len, n_layer=tiny.n_layer,
                        n_head=tiny.n_head, n_embd=tiny.n_embd)
 torch.manual_seed(0)
@@ -101,7 +104,7 @@ print(f"{whole.numel():,} gradient entries; max |mean of halves - whole batch| =
 # with the gradient of the whole batch. The launcher, `torchrun`, starts one process per device and
 # tells each where it is.
 
-# %%
+# %% tags=["demo"]
 DEMO = KIT_ROOT / "notebooks" / "02-ddp" / "allreduce_demo.py"  # found from any working folder
 demo = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", str(DEMO)],
                       capture_output=True, text=True, check=True)
@@ -122,7 +125,7 @@ print(demo.stdout)
 # - every rank must run the same backward passes in the same order, or the buckets never fill and
 #   the job hangs.
 
-# %%
+# %% tags=["demo"]
 bucket_mb = 25
 for name in ("tiny", "gpt2-124m"):
     p = presets.get_preset(name)
@@ -215,7 +218,7 @@ for r in range(4):
 # The loader of `train_gpt2_ddp.py` does the same: two ranks with microbatch 4 see, between them,
 # the 8 samples that one process with microbatch 8 sees.
 
-# %%
+# %% tags=["demo"]
 ranks = [ddp.TokenShardLoader(DATA, "train", 4, tiny.seq_len, rank=r, world_size=2).next_batch()
          for r in range(2)]
 one_process = std.TokenShardLoader(DATA, "train", 8, tiny.seq_len).next_batch()
@@ -245,7 +248,7 @@ print("ranks 0 and 1 together == one process with B=8:", torch.equal(together, o
 # Start your working copy, `train_gpt2.py` in this folder, from the std stage (an existing copy is
 # kept), then read the hunks.
 
-# %%
+# %% tags=["demo"]
 LESSON = "02-ddp"
 working_copy = diffs.start_working_copy(LESSON)
 patch_text = diffs.patch_path(diffs.step_for_lesson(LESSON)).read_text()
@@ -262,7 +265,7 @@ for hunk in diffs.hunks(LESSON):
 # **conflicting** (neither: it shows your lines with `-` and the expected ones with `+`). The same
 # check from a terminal: `python -m coursekit diffs status --lesson 02-ddp`.
 
-# %%
+# %% tags=["demo"]
 print(diffs.report(LESSON, diffs.status(LESSON)))
 
 # %% [markdown]
@@ -270,7 +273,7 @@ print(diffs.report(LESSON, diffs.status(LESSON)))
 # below, applies one hunk whose old lines are still in place (here the imports, hunk 2) and
 # leaves the rest to you.
 
-# %%
+# %% tags=["demo"]
 imports = diffs.status(LESSON)[1]
 if imports.state == "not yet applied":
     diffs.apply_hunk(LESSON, imports.hunk.number)
@@ -288,13 +291,14 @@ print(diffs.report(LESSON, diffs.status(LESSON)).splitlines()[-1])
 # there with `grad_accum` = $N$ microbatches, $N$ processes with one microbatch each. The losses
 # should agree to rounding: that is the proof that the DDP script trains the same model.
 
-# %%
+# %% tags=["demo"]
 SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_ddp.py"
 GPUS = torch.cuda.device_count()
 NPROC, DEVICE = (GPUS, "auto") if GPUS >= 2 else (2, "cpu")  # two ranks cannot share one GPU
 MICROBATCH_TOKENS = tiny.micro_batch * tiny.seq_len
 GLOBAL_BATCH = MICROBATCH_TOKENS * NPROC
 RUNS = Path("runs")
+STEPS = 40 if LONGER_RUNS else 20  # per run, at the global batch
 
 
 def train(name, processes, batch_tokens, steps, *flags):
@@ -316,10 +320,10 @@ def train(name, processes, batch_tokens, steps, *flags):
     return runs.read_metrics(out)
 
 
-one = train("strong-1", 1, GLOBAL_BATCH, 40)
-many = train(f"strong-{NPROC}", NPROC, GLOBAL_BATCH, 40)
+one = train("strong-1", 1, GLOBAL_BATCH, STEPS)
+many = train(f"strong-{NPROC}", NPROC, GLOBAL_BATCH, STEPS)
 
-# %%
+# %% tags=["demo"]
 fig, ax = plt.subplots(figsize=(6, 3.5))
 ax.plot([r["step"] for r in one], [r["loss"] for r in one], label="1 process, grad_accum")
 ax.plot([r["step"] for r in many], [r["loss"] for r in many], "--", label=f"{NPROC} processes (DDP)")
@@ -374,8 +378,8 @@ assert weak_scaling_efficiency(250.0, 250.0, 1) == 1.0
 # The weak-scaling baseline is one process at one microbatch per step. It runs twice as many
 # steps, so that it sees as many tokens as the runs above; we use it again in the next section.
 
-# %%
-small_batch = train("weak-1", 1, MICROBATCH_TOKENS, 40 * NPROC)
+# %% tags=["demo"]
+small_batch = train("weak-1", 1, MICROBATCH_TOKENS, STEPS * NPROC)
 
 
 def throughput(metrics, warmup=5):
@@ -396,7 +400,7 @@ print(f"{'1 process, ' + f'{MICROBATCH_TOKENS:,}-token steps':36s} {throughput(s
 # measured speedup gives the serial fraction that Amdahl's law needs to explain it. Move the
 # processes slider to see what that fraction would cost on a whole node or a rack.
 
-# %%
+# %% tags=["demo"]
 widgets.scaling_calculator({1: 1 / throughput(one), NPROC: 1 / throughput(many)})
 
 # %% [markdown]
@@ -457,9 +461,9 @@ except ValueError:
 # of the scaling section), and the larger batch at the square-root-scaled learning rate. We
 # compare the validation loss at the end.
 
-# %%
+# %% tags=["demo"]
 scaled_lr = scaled_learning_rate(tiny.lr, MICROBATCH_TOKENS, GLOBAL_BATCH, "sqrt")
-scaled = train(f"sqrt-lr-{NPROC}", NPROC, GLOBAL_BATCH, 40, "--lr", f"{scaled_lr:.6g}")
+scaled = train(f"sqrt-lr-{NPROC}", NPROC, GLOBAL_BATCH, STEPS, "--lr", f"{scaled_lr:.6g}")
 tokens_seen = {"small batch": small_batch, "large batch, same lr": many, "large batch, sqrt lr": scaled}
 fig, ax = plt.subplots(figsize=(6, 3.5))
 for label, metrics in tokens_seen.items():
@@ -470,11 +474,14 @@ ax.set_xlabel("tokens seen")
 ax.set_ylabel("training loss")
 ax.legend()
 plt.show()
+gap = many[-1]["val_loss"] - small_batch[-1]["val_loss"]
+won_back = (many[-1]["val_loss"] - scaled[-1]["val_loss"]) / gap
+print(f"the sqrt-scaled learning rate wins back {won_back:.0%} of the large batch's gap of {gap:.3f}")
 
 # %% [markdown]
 # With the same learning rate, the larger batch falls behind at the same number of tokens: it
-# took $N$ times fewer steps. Scaling the learning rate wins back much of the difference (on this
-# kit's 2-process CPU run, about three quarters of it). The tiny preset's curves are noisy: try
+# took $N$ times fewer steps. Scaling the learning rate wins back much of the difference (the
+# last line above says how much in this run). The tiny preset's curves are noisy: try
 # `"linear"`, a longer `--warmup-steps`, or a batch 8 times larger, and watch where the benefit
 # stops.
 #
@@ -498,7 +505,7 @@ plt.show()
 # shape: pick your cluster's profile, 2 nodes and its GPUs per node, and read how the job finds
 # its rendezvous host, starts `torchrun` on every node and requeues itself when pre-empted.
 
-# %%
+# %% tags=["demo"]
 widgets.batchfile_builder(site="ci", stage="ddp")
 
 # %% [markdown]

@@ -181,7 +181,7 @@ assert abs(w - 3) < 0.05 and abs(b - 1) < 0.05
 # and flags for the strategy, devices and nodes. The model, the data loader, the optimiser and
 # the schedule are unchanged: the same preset and seed give the same first loss as std and ddp.
 
-# %%
+# %% tags=["demo"]
 LESSON = "03-lightning"
 working_copy = diffs.start_working_copy(LESSON)  # your copy, started from the DDP stage
 hunks = diffs.hunks(LESSON)
@@ -195,7 +195,7 @@ for hunk in hunks:
 # The biggest hunk replaces the DDP stage's evaluation, checkpoint and signal code with the
 # LightningModule. Read the small ones first; they show everything else that changes.
 
-# %%
+# %% tags=["demo"]
 def show(hunk):
     display(Markdown(f"**hunk {hunk.number}**\n```diff\n{hunk.text}\n```"))
 
@@ -205,14 +205,14 @@ for hunk in hunks:
     if hunk is not biggest:
         show(hunk)
 
-# %%
+# %% tags=["demo"]
 show(biggest)
 
 # %% [markdown]
 # As in lesson 02, build the stage yourself in `train_gpt2.py` in this folder and check it hunk
 # by hunk; `python -m coursekit diffs status --lesson 03-lightning` does the same in a terminal.
 
-# %%
+# %% tags=["demo"]
 print(diffs.report(LESSON, diffs.status(LESSON)).splitlines()[-1])
 
 # %% [markdown]
@@ -262,7 +262,7 @@ assert single.accelerator.__class__.__name__ == "CPUAccelerator"
 # A setting that cannot run is refused in one line before anything starts: a global batch that
 # does not split over the processes, and (on a machine without a GPU) FSDP.
 
-# %%
+# %% tags=["demo"]
 refusals = [["--devices", "3"]]
 if not torch.cuda.is_available():  # with GPUs, this would start a real FSDP run
     refusals.append(["--strategy", "fsdp", "--devices", "2"])
@@ -280,7 +280,7 @@ for flags in refusals:
 # CUDA must not be initialised in the kernel before the fork. The stage script's `main` takes its
 # arguments as a list, so the kernel can run it directly, on 2 processes:
 
-# %%
+# %% tags=["demo"]
 DEVICE = "auto" if torch.cuda.device_count() >= 2 else "cpu"  # 2 GPUs, or 2 CPU processes
 STEPS = ["--preset", "tiny", "--device", DEVICE, "--data", str(DATA), "--max-steps", "20",
          "--eval-interval", "10", "--ckpt-interval", "10", "--sample-tokens", "0", "--devices", "2"]
@@ -295,7 +295,7 @@ print(f"ddp_notebook: {time.perf_counter() - start:.0f} s")
 # `LOCAL_RANK=1`. One thread per process keeps the two processes off each other's core on a
 # laptop, and makes the runs repeat bit for bit.
 
-# %%
+# %% tags=["demo"]
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
@@ -313,7 +313,7 @@ start = time.perf_counter()
 print(run_script("script").stdout)
 print(f"ddp from the script: {time.perf_counter() - start:.0f} s")
 
-# %%
+# %% tags=["demo"]
 in_kernel, from_script = runs.read_metrics(RUNS / "notebook"), runs.read_metrics(RUNS / "script")
 fig, ax = plt.subplots(figsize=(6, 3.5))
 ax.plot([r["step"] for r in in_kernel], [r["loss"] for r in in_kernel], label="ddp_notebook (kernel)")
@@ -332,7 +332,7 @@ print(f"largest loss difference: {max(abs(a['loss'] - b['loss']) for a, b in zip
 # schedule, the loop counters, and the state of the data loader (our loader has `state_dict`,
 # so Lightning saves its position). It is loaded with `weights_only=True`: no code is unpickled.
 
-# %%
+# %% tags=["demo"]
 checkpoint = torch.load(RUNS / "script" / "ckpt" / "last.ckpt", weights_only=True)
 print(sorted(checkpoint))
 print("step:", checkpoint["global_step"])
@@ -343,7 +343,7 @@ print("data position:", checkpoint["loops"]["fit_loop"]["state_dict"]["combined_
 # last checkpoint is from step 10. `--resume` continues from it; steps 11 to 20 of the resumed
 # run should repeat those of the uninterrupted run exactly.
 
-# %%
+# %% tags=["demo"]
 shutil.rmtree(RUNS / "killed", ignore_errors=True)
 job = subprocess.Popen([sys.executable, str(SCRIPT), *STEPS, "--out", str(RUNS / "killed")],
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ONE_THREAD,
@@ -381,7 +381,7 @@ print(f"resumed run identical to the uninterrupted one: {same}")
 # directory and requeues the job itself; the script's `--resume` takes the newer of that and
 # `ckpt/last.ckpt`. Here is what it reads for rank 5 of a 2-node, 8-GPU job:
 
-# %%
+# %% tags=["demo"]
 from unittest import mock
 
 from lightning.fabric.plugins.environments import SLURMEnvironment

@@ -150,7 +150,7 @@ for strategy in memory.DATA_PARALLEL:
 # checkpointing; then GPT-2 124M at a sequence of 8,192 tokens. The numbers come from
 # `coursekit.memory`, the arithmetic above.
 
-# %%
+# %% tags=["demo"]
 widgets.memory_calculator()
 
 # %% [markdown]
@@ -209,7 +209,7 @@ assert smallest_world_size(widgets.MODELS["70B shape"], "pp", 40, 1, 4096) is No
 #    DTensor, whole after `full_tensor()`;
 # 10. every rank saves (its shards) and generates (forward needs every rank's shards).
 
-# %%
+# %% tags=["demo"]
 LESSON = "04-model-parallelism"
 working_copy = diffs.start_working_copy(LESSON)
 patch_text = diffs.patch_path(diffs.step_for_lesson(LESSON)).read_text()
@@ -225,7 +225,7 @@ for hunk in diffs.hunks(LESSON):
 # reported **applied**, **not yet applied** or **conflicting**, with the lines that differ.
 # `python -m coursekit diffs apply --lesson 04-model-parallelism --hunk N` applies one for you.
 
-# %%
+# %% tags=["demo"]
 print(diffs.report(LESSON, diffs.status(LESSON)))
 
 # %% [markdown]
@@ -236,7 +236,7 @@ print(diffs.report(LESSON, diffs.status(LESSON)))
 # memory (the CUDA allocator's on a GPU, the process's resident set on a CPU). With fewer GPUs
 # than processes the runs use CPU processes and gloo.
 
-# %%
+# %% tags=["demo"]
 RUNS = Path("runs")
 
 
@@ -270,7 +270,7 @@ for n, (metrics, _) in fsdp_runs.items():
 # Now the prediction against the measurement. `coursekit.memory` predicts each rank's bytes from
 # the model's shape alone; the runs report the bytes of the tensors each rank really holds.
 
-# %%
+# %% tags=["demo"]
 MiB = 2**20
 rows = ["| processes | part | predicted MiB per rank | measured MiB (each rank) |", "|---|---|---|---|"]
 for n, (_, reports) in fsdp_runs.items():
@@ -299,7 +299,7 @@ display(Markdown("\n".join(rows)))
 # handing freed memory back to the system), with and without checkpointing, on the `small`
 # preset's shape (6 blocks, 384 wide, 256-token samples), and the time of forward + backward.
 
-# %%
+# %% tags=["demo"]
 fsdp = stages.load("fsdp")  # the stage script's model and its apply_activation_checkpointing
 small = presets.get_preset("small")
 SMALL = memory.Model.from_preset(small)
@@ -376,12 +376,12 @@ print(f"checkpointing: {ckpt_s / plain_s:.2f}x the time for {1 - ckpt_held / pla
 # 0 all of q and half of k. The plan is a dictionary from module names to `ColwiseParallel`,
 # `RowwiseParallel` and `SequenceParallel`, applied with `parallelize_module`:
 
-# %%
+# %% tags=["demo"]
 tp_stage = (KIT_ROOT / "solutions" / "train_gpt2_tp.py").read_text()
 plan = tp_stage[tp_stage.index("def apply_tp"):]
 print(plan[:plan.index("\n\n\n")])
 
-# %%
+# %% tags=["demo"]
 tp_run, tp_reports = launch("tp", 2, "tp-2", "--tp", 2)
 print(f"tp on 2 processes: largest loss difference from ddp over {len(tp_run)} steps: "
       f"{max(abs(a['loss'] - b['loss']) for a, b in zip(tp_run, ddp_run)):.1e}")
@@ -439,7 +439,7 @@ assert abs(predicted_step_time(1.0, 4, 4) - 7 / 4) < 1e-12
 # embedding and output matrix live on both the first and the last stage (their gradients are
 # summed after backward, so the copies stay equal), and the losses must equal the DDP run's.
 
-# %%
+# %% tags=["demo"]
 pp_run, pp_reports = launch("pp", 2, "pp-2", "--schedule", "1f1b")
 print(f"pp on 2 processes (1F1B): largest loss difference from ddp over {len(pp_run)} steps: "
       f"{max(abs(a['loss'] - b['loss']) for a, b in zip(pp_run, ddp_run)):.1e}")
@@ -461,7 +461,7 @@ for rank, (report, n) in enumerate(zip(pp_reports, TINY.pipeline_stage_parameter
 # no bubble and no communication, two stages would take half the time of one; the measured idle
 # fraction is what is left: $1 - (t_1 / 2) / t_2$.
 
-# %%
+# %% tags=["demo"]
 DEMO = KIT_ROOT / "notebooks" / "04-model-parallelism" / "bubble_demo.py"  # from any working folder
 MICROBATCHES = [1, 2, 4, 8, 16]
 STAGES = 2

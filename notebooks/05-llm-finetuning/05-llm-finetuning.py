@@ -82,6 +82,10 @@ warnings.filterwarnings("ignore", message="fan_in_fan_out is set to")
 transformers_logging.disable_progress_bar()
 print(f"torch {torch.__version__}; base model {MODEL.relative_to(KIT_ROOT)}; "
       f"tasks {TASKS.relative_to(KIT_ROOT)}")
+# Evaluation length, the one knob of this lesson: on a laptop's CPU the fine-tuning run checks
+# its answers less often and on fewer examples (same training); a GPU does the longer checks as
+# quickly. Set it to True or False to choose.
+LONGER_RUNS = torch.cuda.is_available()
 
 # %% [markdown]
 # ## Three ways to fine-tune
@@ -279,7 +283,7 @@ assert finetune_bytes_per_gpu(1000, 1000, "zero3", 1) == {"params": 4000, "grads
 # 4,096 wide, an MLP of 11,008, a vocabulary of 32,000; LoRA on its seven matrices per block),
 # fine-tuned fully or with LoRA at $r = 16$, on one GPU or with ZeRO on 8.
 
-# %%
+# %% tags=["demo"]
 def llama_adapted_shapes(n_layer=32, d=4096, hidden=11008):
     """q, k, v, o projections, then the MLP's gate, up and down projections, in every block."""
     return ([(d, d)] * 4 + [(d, hidden), (d, hidden), (hidden, d)]) * n_layer
@@ -317,7 +321,7 @@ display(Markdown("\n".join(rows)))
 # **exact match** of the answer is a clear task metric. The lora stage formats an example with a
 # fixed template; the model learns to write the answer after `### Response:`.
 
-# %%
+# %% tags=["demo"]
 train, val = instruct.load_splits(str(TASKS))
 example = train[0]
 print(f"{len(train):,} training and {len(val):,} validation examples; the first:\n{example}\n")
@@ -330,7 +334,7 @@ print(finetune_lora.format_prompt(example) + example["output"])
 # $t+1$). The loss then comes only from the answer: the model is taught to answer, not to
 # reproduce instructions it will always be given.
 
-# %%
+# %% tags=["demo"]
 base_model, tokenizer = finetune_lora.load_pretrained(str(MODEL))
 tokens = finetune_lora.tokenize_example(tokenizer, example, max_len=64)
 print("position  token                      label")
@@ -360,10 +364,11 @@ print(f"{answer_tokens} of {len(tokens['labels'])} tokens count in the loss (the
 # 64-wide output embedding cannot make a rare answer word likely: adapters on the blocks alone
 # leave exact match at 0%. GPT-2 shares one matrix between `wte` and `lm_head`; the kit's export
 # gives the head its own copy (`--untie`), so that merging one adapter does not change the other.
-# The run takes the tiny preset's defaults (steps, learning rate, rank, adapted layers): a minute
-# or two on a laptop's CPU. Every number below is read from its run directory.
+# The run takes the tiny preset's defaults (steps, learning rate, rank, adapted layers), and on a
+# CPU it checks its answers less often (`LONGER_RUNS`): a minute or so on a laptop. Every number
+# below is read from its run directory.
 
-# %%
+# %% tags=["demo"]
 ACCELERATE = str(Path(sys.executable).parent / "accelerate")  # installed next to this kernel
 RUNS = Path("runs")
 
@@ -397,10 +402,11 @@ def summary(log):
     return "\n".join(line for line in log.splitlines() if not line.startswith(("step ", "[")))
 
 
-single, log = finetune("single", "lora-single")
+QUICK_EVALUATION = [] if LONGER_RUNS else ["--eval-interval", 125, "--eval-examples", 50]
+single, log = finetune("single", "lora-single", *QUICK_EVALUATION)
 print(summary(log))
 
-# %%
+# %% tags=["demo"]
 settings = runs.read_json(single / "config.json")
 metrics = runs.read_metrics(single)
 evaluation = runs.read_json(single / "eval.json")  # before and after training
@@ -434,7 +440,7 @@ plt.show()
 # model does the task. `eval.json` holds both evaluations; `predictions.jsonl` the answers of
 # the last one.
 
-# %%
+# %% tags=["demo"]
 rows = ["| | validation loss | exact match | " + " | ".join(
     evaluation["after"]["exact_match_by_task"]) + " |", "|---|---|---|" + "---|" *
     len(evaluation["after"]["exact_match_by_task"])]
@@ -468,7 +474,7 @@ display(Markdown("\n".join(rows)))
 # fast as the base model and loadable without PEFT. First the formula on one matrix, by hand;
 # then the whole models' logits on some validation prompts.
 
-# %%
+# %% tags=["demo"]
 adapted = PeftModel.from_pretrained(base_model, single / "adapter").eval()
 merged = AutoModelForCausalLM.from_pretrained(single / "model").eval()
 # the first adapted linear layer (embeddings are adapted too, with other attribute names)
@@ -505,7 +511,7 @@ print(f"on disk: adapter {adapter_bytes / 2**20:.1f} MiB, merged model "
 # environment variables, how to distribute; the script asks `Accelerator.prepare` to wrap the
 # model, optimiser and data loaders accordingly. The kit's five configs:
 
-# %%
+# %% tags=["demo"]
 for config in ("single", "ddp", "fsdp", "zero2", "zero3"):
     path = KIT_ROOT / "solutions" / "accelerate" / f"{config}.yaml"
     display(Markdown(f"**{path.name}**\n```yaml\n{path.read_text().strip()}\n```"))
@@ -538,7 +544,7 @@ for config in ("single", "ddp", "fsdp", "zero2", "zero3"):
 # after that they part, because a 6-step run warms up and decays its learning rate over 6 steps,
 # not over the long run's.
 
-# %%
+# %% tags=["demo"]
 cpu_only = {"CUDA_VISIBLE_DEVICES": ""} if torch.cuda.device_count() < 2 else {}
 sharded, log = finetune("fsdp", "lora-fsdp-2", "--max-steps", 6, "--eval-interval", 3,
                         "--eval-examples", 16, env=cpu_only)

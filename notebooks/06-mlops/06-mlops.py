@@ -205,7 +205,7 @@ for _, row in found.iterrows():  # a row's index holds the column names
                 f"{short(row['tags.data_manifest_sha256'])} |")
 display(Markdown("\n".join(rows)))
 
-# %%
+# %% tags=["demo"]
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5), sharey=True, layout="constrained")
 for _, row in found.iterrows():
     name = row["tags.mlflow.runName"]
@@ -329,7 +329,7 @@ assert best_run(fake.iloc[::-1]) == "c" and best_run(fake.iloc[[2, 0]], "loss") 
 # matter: floating-point addition is not associative, so the same million numbers summed in
 # shards, as an all-reduce over $N$ processes adds them, give slightly different totals.
 
-# %%
+# %% tags=["demo"]
 first = {name: runs.read_metrics(d)[0]["loss"] for name, d in run_dirs.items()}
 print(f"step-1 loss of each run: {first}; the same: {len(set(first.values())) == 1}")
 numbers = torch.randn(1_000_000, generator=torch.Generator().manual_seed(0))
@@ -434,7 +434,7 @@ assert sha256_manifest(folder / "sub") == {"b.bin": hashlib.sha256(b"b").hexdige
 # calls with `__reduce__`. A harmless one here: a checkpoint whose extra entry, when unpickled,
 # calls `print`.
 
-# %%
+# %% tags=["demo"]
 class Surprise:
     """Pickled as 'call print(...)': a stand-in for a malicious payload."""
 
@@ -468,7 +468,7 @@ print(f"  and returned {torch.load(suspicious, weights_only=False)}")
 # kit's checkpoints put them in `tensors.safetensors` and everything else (step, data position,
 # the optimiser's hyperparameters) in `state.json`.
 
-# %%
+# %% tags=["demo"]
 weights = RUNS / "weights.safetensors"
 save_file({"weight": torch.ones(2, 3), "bias": torch.zeros(3)}, weights)
 raw = weights.read_bytes()
@@ -507,7 +507,7 @@ print(f"{BEST_DIR.name}'s checkpoint {checkpoint.name}: {len(tensors)} tensors "
 # `python -m coursekit registry register RUN_DIR --name kit-std --alias champion --model-dir OUT_DIR`
 # logs it into the run's own MLflow run. The same two steps in Python, for the best run:
 
-# %%
+# %% tags=["demo"]
 hf_dir = RUNS / "hf-champion"
 exported = hfexport.export(BEST_DIR, hf_dir)
 with contextlib.redirect_stderr(io.StringIO()):  # MLflow's notes and advice on type hints
@@ -567,7 +567,7 @@ for prompt, completion in zip(prompts, champion.predict(prompts, params={"max_ne
 # the notebook: the CPU time the process used, as a percentage of one core (up to 100% times
 # its threads), and its resident memory (RSS).
 
-# %%
+# %% tags=["demo"]
 fig, (cpu_ax, memory_ax) = plt.subplots(1, 2, figsize=(10, 3.5), layout="constrained")
 for name, samples in usage.items():
     seconds = [s for s, _, _ in samples]
@@ -615,7 +615,7 @@ def throughput_stats(history, skip=2):
     ### END SOLUTION
 
 
-# %%
+# %% tags=["demo"]
 rows = ["| run | steps kept | mean tok/s | median | min | max |", "|---|---|---|---|---|---|"]
 for name, run_dir in run_dirs.items():
     stats = throughput_stats(client.get_metric_history(
@@ -732,7 +732,7 @@ assert top_ops(prof, 1) == top[:1] and len(top_ops(prof, len(averages) + 5)) == 
 # The table sums; the **trace** shows the timeline. `prof.export_chrome_trace` writes it as JSON
 # in Chrome's trace-event format:
 
-# %%
+# %% tags=["demo"]
 trace = RUNS / "trace.json"
 prof.export_chrome_trace(str(trace))
 events = json.loads(trace.read_text())["traceEvents"]

@@ -42,7 +42,7 @@
 # background, as you would submit a batch job and read while it waits and runs. The section "The
 # real study" explains every flag and reads what it wrote.
 
-# %%
+# %% tags=["demo"]
 import os
 import shutil
 import subprocess
@@ -504,7 +504,7 @@ assert [(b, list(l)) for b, l in history] == [(1, ["a", "b"]), (3, ["a"])]  # 2 
 # %% [markdown]
 # The rungs of the 27 learning rates, over their (synthetic) learning curves:
 
-# %%
+# %% tags=["demo"]
 best, history = successive_halving(CANDIDATE_LRS, learning_curve, 3, 3, 81)
 fig, ax = plt.subplots(figsize=(8, 4), layout="constrained")
 steps = np.arange(1, 82)
@@ -591,7 +591,7 @@ assert hyperband_brackets(5, 5, 3) == [(1, 5)] and len(hyperband_brackets(1, 8, 
 # to $n_s$, and runs SH within each bracket with rungs at $r\,\eta^k$ steps. The study below uses
 # `min_resource=2` (its validation interval), `max_resource=6`, $\eta = 3$:
 
-# %%
+# %% tags=["demo"]
 for case in [(2, 6, 3), (1, 81, 3), (1, 243, 3)]:
     pruner = optuna.pruners.HyperbandPruner(*case)
     pruner._try_initialization(optuna.create_study(pruner=pruner))  # private: a look inside
@@ -627,7 +627,7 @@ print(f"math.log(243, 3) = {math.log(243, 3)!r}")
 # if it had the worst loss, so the next worker's model avoids its neighbourhood until the real
 # value arrives. Four workers asking at once, after 12 finished trials of the 1-D function:
 
-# %%
+# %% tags=["demo"]
 LOG_LR = {"log_lr": optuna.distributions.FloatDistribution(-4, -1)}
 finished_u = np.random.default_rng(0).uniform(-4, -1, 12)
 
@@ -743,7 +743,7 @@ for rule in ("cubic", "Linear", None):
 # gradient would be the same. One thread is enough: the study's two trainers are using the
 # other cores meanwhile, and more threads than cores only make them wait for each other.
 
-# %%
+# %% tags=["demo"]
 std = stages.load("std")  # solutions/train_gpt2_std.py, imported as a module
 perf.keep_freed_cpu_memory()  # as the stage does on a CPU: reuse freed memory, fewer page faults
 torch.set_num_threads(1)  # the study in the background has the other cores
@@ -788,7 +788,7 @@ started = time.perf_counter()
 results = {name: train_briefly(*recipe) for name, recipe in recipes.items()}
 print(f"{len(recipes)} recipes of {TOKENS:,} tokens in {time.perf_counter() - started:.1f} s")
 
-# %%
+# %% tags=["demo"]
 fig, ax = plt.subplots(figsize=(8, 4), layout="constrained")
 for name, (curve, _) in results.items():
     tokens_seen, losses = np.array(curve).T
@@ -847,7 +847,7 @@ display(Markdown("\n".join(rows)))
 # steps. On GPUs the same command with a thousand steps per trial, a validation every hundred and
 # a few dozen trials is a real study: the Slurm batch files below use such settings.
 
-# %%
+# %% tags=["demo"]
 study_job.wait()
 study_output.close()
 output = (RUNS / "study.out").read_text().splitlines()
@@ -864,7 +864,7 @@ print("\n".join(line for line in output if line.startswith(results_lines) or " t
 # driver then wrote `best.json`, `trials.csv` (Optuna's `study.trials_dataframe()`) and four
 # plots into the study's folder:
 
-# %%
+# %% tags=["demo"]
 best_json = json.loads((STUDY / "best.json").read_text())
 print(json.dumps(best_json, indent=1))
 trials = pd.read_csv(STUDY / "trials.csv")  # one row per trial; params_<name>, user_attrs_<name>
@@ -890,7 +890,7 @@ print(f"{(trials['state'] == 'PRUNED').sum()} of {len(trials)} trials pruned ({p
 # with the complete trials' final losses, and the study's best trial is always a complete one.
 # The steps the pruner saved, from each trial's own `metrics.jsonl`:
 
-# %%
+# %% tags=["demo"]
 trained = {int(path.name): len([line for line in (path / "metrics.jsonl").read_text().splitlines()
                                 if line.strip()])
            for path in sorted((STUDY / "trials").iterdir())}
@@ -911,7 +911,7 @@ print(f"steps trained per trial: {trained}; {sum(trained.values())} of "
 # early), and parallel coordinates (each complete trial a line through its settings, coloured by
 # its loss):
 
-# %%
+# %% tags=["demo"]
 fig, axes = plt.subplots(2, 2, figsize=(13, 9), layout="constrained")
 for ax, name in zip(axes.flat, ("history", "importance", "intermediate", "parallel")):
     ax.imshow(plt.imread(STUDY / "plots" / f"{name}.png"))
@@ -932,7 +932,7 @@ plt.show()
 # second array task starting late, does the same. On a copy of the journal, so that the real
 # study stays as it is, here is what the next worker gets:
 
-# %%
+# %% tags=["demo"]
 COPY = RUNS / "study-copy"
 COPY.mkdir()
 shutil.copy(STUDY / "journal.log", COPY / "journal.log")
@@ -953,7 +953,7 @@ print(f"the study holds {len(study.trials) - 1} trials; the next worker's trial:
 # restarts the trainer with `--resume` in that directory and it continues from the checkpoint.
 # On the copy:
 
-# %%
+# %% tags=["demo"]
 trial.set_user_attr("run_dir", str(COPY / "trials" / f"{trial.number:04d}"))
 trial.set_user_attr("interrupted", True)  # what the worker does on SIGTERM or SIGUSR1
 study.tell(trial, state=optuna.trial.TrialState.FAIL)
@@ -974,7 +974,7 @@ print(f"trials that count towards --trials: {hpo_optuna.counted_trials(study)} "
 # `SLURM_ARRAY_TASK_ID`, which the driver adds to the seed. The kit generates such batch files
 # for every site, `batchfiles/<site>/batch-hpo-1n1g.sh`:
 
-# %%
+# %% tags=["demo"]
 HPO_BATCH = KIT_ROOT / "batchfiles" / "generic" / "batch-hpo-1n1g.sh"
 display(Markdown(f"`{HPO_BATCH.relative_to(KIT_ROOT)}`:\n\n```bash\n{HPO_BATCH.read_text()}```"))
 
@@ -999,7 +999,7 @@ display(Markdown(f"`{HPO_BATCH.relative_to(KIT_ROOT)}`:\n\n```bash\n{HPO_BATCH.r
 # each trial with `srun` + `torchrun` on both (`--nodes 2 --nproc-per-node G`: the ddp stage
 # from lesson 02, one rendezvous port per trial). What differs from the single-GPU file:
 
-# %%
+# %% tags=["demo"]
 two_node = sorted((KIT_ROOT / "batchfiles" / "generic").glob("batch-hpo-2n*g.sh"))[0]
 diff = difflib.unified_diff(HPO_BATCH.read_text().splitlines(),
                             two_node.read_text().splitlines(), lineterm="", n=0)
@@ -1018,7 +1018,7 @@ print(f"{HPO_BATCH.name} -> {two_node.name}:\n" + "\n".join(changes))
 # it only prints the commands. Its laptop twin is the study above: the same driver and flags,
 # with 2 local workers instead of array tasks.
 
-# %% tags=["cluster"]
+# %% tags=["cluster", "demo"]
 SITE = "generic"  # your site's folder in batchfiles/
 SUBMIT = False  # True to submit from this notebook, on a cluster, once the site's files exist
 batch_file = f"batchfiles/{SITE}/batch-hpo-1n1g.sh"
