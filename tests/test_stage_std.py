@@ -296,7 +296,8 @@ def test_missing_data_says_how_to_prepare_it(tmp_path, capsys):
     status, stderr = parse_error(capsys, "--preset", "tiny", "--data", tmp_path / "nodata",
                                  "--out", tmp_path / "r")
     assert status == 2 and len(stderr.strip().splitlines()) == 1
-    assert f"python -m coursekit data prepare --source builtin --out {tmp_path / 'nodata'}" in stderr
+    prepare = f"python -m coursekit data prepare --source builtin --out {tmp_path / 'nodata'}"
+    assert prepare in stderr
 
 
 def test_existing_run_is_not_overwritten_without_resume(tiny_run, builtin_data):
