@@ -5,6 +5,7 @@ Each rule is checked by running pytest in a subprocess, with the kit's conftest.
 settings, on a small test file written for the case.
 """
 import os
+import re
 import subprocess
 import sys
 
@@ -85,11 +86,20 @@ def test_on_ci_a_tool_apt_get_cannot_install_fails_the_test(tmp_path):
 HEAVY_MARKERS = "stages or slurm or browser or book or grading or notebooks or ondemand or slow"
 
 
+def make_test_fast_selection():
+    """The -m expression `make test-fast` runs pytest with."""
+    makefile = (KIT_ROOT / "Makefile").read_text()
+    recipe = re.search(r"^test-fast:.*\n\t.*pytest -m \"([^\"]+)\"", makefile, re.M)
+    assert recipe, "no `pytest -m` in the Makefile's test-fast recipe"
+    return recipe.group(1)
+
+
 @pytest.mark.slow
 def test_make_test_fast_selects_no_heavy_test():
-    """`make test-fast` runs `-m "unit or diffs"`: none of those tests may also be marked for work
-    that trains, builds, starts servers or installs packages."""
+    """None of the tests `make test-fast` selects may be marked for work that trains, builds,
+    starts servers or installs packages, or as slow ("left out of make test-fast")."""
+    selection = f"({make_test_fast_selection()}) and ({HEAVY_MARKERS})"
     run = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
-                          "no:cacheprovider", "-m", f"(unit or diffs) and ({HEAVY_MARKERS})"],
+                          "no:cacheprovider", "-m", selection],
                          cwd=KIT_ROOT, capture_output=True, text=True, timeout=600)
     assert run.returncode == pytest.ExitCode.NO_TESTS_COLLECTED, run.stdout[-3000:] + run.stderr

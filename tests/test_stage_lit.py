@@ -2,19 +2,18 @@
 from its own checkpoint exactly where an uninterrupted run would be."""
 import os
 import signal
-import subprocess
-import time
 
 import pytest
 
-from conftest import kit_env, run_as_srun_tasks, run_stage, stage_command
-from coursekit import runs
+from conftest import (ONE_THREAD, TWENTY_STEPS, kit_env, run_as_srun_tasks, run_stage,
+                      stage_command)
+from coursekit import runs, stages
+from helpers import interrupt
 
 pytestmark = pytest.mark.stages
 SCRIPT = "train_gpt2_lit.py"
-STEPS = ["--preset", "tiny", "--max-steps", "20", "--eval-interval", "10", "--ckpt-interval", "10",
-         "--sample-tokens", "0"]
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # as torchrun sets it: runs repeat bit for bit
+STEPS = TWENTY_STEPS  # on the CPU even where a GPU is present: 2 devices, one machine
+lit = stages.load("lit")
 
 
 def run_lit(*args, **kwargs):
@@ -24,11 +23,8 @@ def run_lit(*args, **kwargs):
 
 
 @pytest.fixture(scope="module")
-def std_metrics(builtin_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("std20")
-    result = run_stage("train_gpt2_std.py", *STEPS, "--data", builtin_data, "--out", out)
-    assert result.returncode == 0, result.stderr
-    return runs.read_metrics(out)
+def std_metrics(std_twenty_steps):
+    return runs.read_metrics(std_twenty_steps)
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +66,8 @@ def test_srun_python_tasks_join_lightnings_slurm_environment(builtin_data, tmp_p
 
 
 def test_one_device_has_the_std_first_loss(builtin_data, tmp_path, std_metrics):
-    run_lit(*STEPS[:2], "--max-steps", "1", "--sample-tokens", "0", "--data", builtin_data,
-            "--out", tmp_path)
+    run_lit(*STEPS[:2], "--max-steps", "1", "--sample-tokens", "0", "--device", "cpu",
+            "--data", builtin_data, "--out", tmp_path)
     assert runs.read_metrics(tmp_path)[0]["loss"] == pytest.approx(std_metrics[0]["loss"], abs=1e-5)
 
 
@@ -81,14 +77,13 @@ def test_killed_run_resumes_from_its_checkpoint_like_an_uninterrupted_one(builti
     command = stage_command(SCRIPT, *STEPS, "--devices", "2", "--data", builtin_data,
                             "--out", tmp_path)
     # its own session: the kill takes Lightning's second process with it, as a node failure would
-    job = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                           env=kit_env(ONE_THREAD), start_new_session=True)
-    deadline = time.time() + 300
-    while len(runs.read_metrics(tmp_path)) < 13:
-        assert job.poll() is None and time.time() < deadline
-        time.sleep(0.1)
+    job = interrupt.start(command, kit_env(ONE_THREAD), start_new_session=True)
+    # 3 steps past the checkpoint at 10, 7 before the next
+    lines = interrupt.read_until(job, "step 13/20 ")
     os.killpg(job.pid, signal.SIGKILL)
-    job.wait()
+    returncode, _ = interrupt.finish(job, lines)
+    assert returncode == -signal.SIGKILL
+    assert [r["step"] for r in runs.read_metrics(tmp_path)][-1] >= 13
     assert (tmp_path / "ckpt" / "last.ckpt").resolve().name == "step_00000010.ckpt"
 
     resumed = run_lit(*command[2:], "--resume")
@@ -98,21 +93,44 @@ def test_killed_run_resumes_from_its_checkpoint_like_an_uninterrupted_one(builti
            [(r["step"], r["loss"], r.get("val_loss")) for r in expected]
 
 
-@pytest.mark.parametrize("args, message", [
+# --- bad choices: one line naming the value and what is allowed -------------------------------
+BAD_CHOICES = [
     (["--strategy", "deepspeed_stage_2"], "--strategy deepspeed_stage_2 runs on CUDA GPUs only"),
-    (["--strategy", "fsdp", "--devices", "2"], "--strategy fsdp --devices 2: The strategy `fsdp` requires a GPU"),
     (["--devices", "0"], "argument --devices: expected a positive integer, got 0"),
     (["--strategy", "horovod"], "argument --strategy: invalid choice: 'horovod'"),
     (["--devices", "3"], "--batch-tokens 1024 is not a multiple of micro-batch x seq-len x processes = 4 x 128 x 3"),
-], ids=["deepspeed", "fsdp-on-cpu", "devices-0", "strategy", "indivisible"])
-def test_bad_choices_get_one_line(builtin_data, tmp_path, args, message):
-    result = run_stage(SCRIPT, "--preset", "tiny", "--data", builtin_data, "--out", tmp_path, *args)
+]
+
+
+def parse_error(capsys, *args):
+    """(exit status, stderr) of the script's own argument parsing, in this process: the first
+    thing main() does, before Lightning starts anything."""
+    with pytest.raises(SystemExit) as stopped:
+        lit.parse_args(list(map(str, args)))
+    return stopped.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", BAD_CHOICES,
+                         ids=["deepspeed", "devices-0", "strategy", "indivisible"])
+def test_bad_choices_get_one_line(builtin_data, tmp_path, capsys, args, message):
+    status, stderr = parse_error(capsys, "--preset", "tiny", "--device", "cpu", "--data",
+                                 builtin_data, "--out", tmp_path, *args)
+    assert status == 2
+    assert message in stderr and stderr.strip().count("\n") == 0, stderr
+
+
+def test_a_strategy_lightning_refuses_stops_the_script_with_one_line(builtin_data, tmp_path):
+    """Lightning itself refuses FSDP without a GPU, when main() builds the Trainer: the script
+    turns that into one line, as a whole process."""
+    result = run_stage(SCRIPT, "--preset", "tiny", "--device", "cpu", "--strategy", "fsdp",
+                       "--devices", "2", "--data", builtin_data, "--out", tmp_path)
     assert result.returncode != 0
-    assert message in result.stderr and result.stderr.strip().count("\n") == 0, result.stderr
+    assert "--strategy fsdp --devices 2: The strategy `fsdp` requires a GPU" in result.stderr
+    assert result.stderr.strip().count("\n") == 0, result.stderr
 
 
-def test_existing_run_is_not_overwritten_without_resume(two_device_run, builtin_data):
+def test_existing_run_is_not_overwritten_without_resume(two_device_run, builtin_data, capsys):
     out, _ = two_device_run
-    result = run_stage(SCRIPT, "--preset", "tiny", "--data", builtin_data, "--out", out)
-    assert result.returncode == 2
-    assert f"{out} already holds a checkpoint: pass --resume" in result.stderr
+    status, stderr = parse_error(capsys, "--preset", "tiny", "--data", builtin_data, "--out", out)
+    assert status == 2
+    assert f"{out} already holds a checkpoint: pass --resume" in stderr
