@@ -42,14 +42,14 @@ def using_store(uri):
 def register(run_dir, name, alias, model_dir=None):
     """Log RUN_DIR's model (RUN_DIR/model unless ``model_dir``) as an MLflow model, register it
     as a new version of ``name`` and point ``alias`` at it; returns (store URI, version)."""
-    import mlflow
-    from mlflow.models import infer_signature
     run_dir = Path(run_dir)
     model_dir = Path(model_dir) if model_dir else run_dir / "model"
     if not (model_dir / "config.json").is_file():
         raise KitError(f"{model_dir} is not a Hugging Face model directory (no config.json): "
                        "fine-tune with solutions/finetune_lora.py or export a run with "
                        "`python -m coursekit export-hf`")
+    import mlflow  # seconds to import: after the checks
+    from mlflow.models import infer_signature
     saved = run_dir / "tracking.json"
     tracked = runs.read_json(saved) if saved.exists() else None
     uri = tracked["tracking_uri"] if tracked else tracking.tracking_uri(run_dir)
@@ -69,10 +69,25 @@ def register(run_dir, name, alias, model_dir=None):
 
 def load(reference, store=None):
     """The pyfunc model registered as ``NAME@ALIAS`` (or ``NAME/VERSION``)."""
+    if "@" not in reference and "/" not in reference:
+        raise KitError(f"{reference!r}: name a registered model as NAME@ALIAS (kit-std@champion) "
+                       "or NAME/VERSION (kit-std/1)")
+    store = store or default_store()
+    check_store_exists(store)
     import mlflow
     from mlflow.exceptions import MlflowException
     try:
-        with using_store(store or default_store()):
+        with using_store(store):
             return mlflow.pyfunc.load_model(f"models:/{reference}")
     except MlflowException as err:
         raise KitError(f"models:/{reference}: {' '.join(str(err).split())[:300]}") from None
+
+
+def check_store_exists(uri):
+    """A SQLite store must be there already: MLflow would create an empty one (with a screenful
+    of log lines) and then report the model missing."""
+    path = Path(uri.removeprefix("sqlite:///")) if uri.startswith("sqlite:///") else None
+    if path is not None and not path.is_file():
+        raise KitError(f"no MLflow store at {path} (from {uri}): register a model there first "
+                       "(`python -m coursekit registry register`), or pass --store, or set "
+                       "MLFLOW_TRACKING_URI")
