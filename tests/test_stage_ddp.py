@@ -1,70 +1,101 @@
-"""The ddp stage: DDP gradients equal single-process ones; 2 processes follow the std run and
-resume after a pre-emption signal exactly where an uninterrupted run would be."""
-import json
+"""The ddp stage: its own training step on 2 processes computes the std stage's gradients and
+update for the same global batch; 2 processes follow the std run and resume after a pre-emption
+signal exactly where an uninterrupted run would be."""
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import psutil
 import pytest
+import torch
+from safetensors.torch import load_file
 
-from conftest import kit_env, run_as_srun_tasks, run_stage
+from conftest import (ONE_THREAD, TWENTY_STEPS, expected_backends, kit_env, run_as_srun_tasks,
+                      run_stage, torchrun, torchrun_command)
 from coursekit import KIT_ROOT, runs
+from helpers import interrupt
 from test_stage_std import assert_identical, assert_same_run
 
 pytestmark = pytest.mark.stages
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 DDP_SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_ddp.py"
-STEPS = ["--preset", "tiny", "--max-steps", "20", "--eval-interval", "10", "--sample-tokens", "0"]
-
-
-def torchrun_command(nproc, script, *args):
-    return [TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", str(script), *map(str, args)]
-
-
-def torchrun(nproc, script, *args, check=True):
-    result = subprocess.run(torchrun_command(nproc, script, *args), capture_output=True,
-                            text=True, timeout=600, env=kit_env())
-    if check:
-        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result
-
-
-def test_ddp_gradient_equals_the_single_process_gradient():
-    result = torchrun(2, KIT_ROOT / "tests" / "helpers" / "ddp_gradient_check.py", DDP_SCRIPT)
-    report = json.loads(result.stdout.strip().splitlines()[-1])
-    assert report["world_size"] == 2
-    assert report["max_grad_diff"] <= 1e-6
-    assert report["max_param_diff_across_ranks"] == 0.0
+STD_SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_std.py"
+STEP_DUMP = KIT_ROOT / "tests" / "helpers" / "stage_step_dump.py"
+STEPS = TWENTY_STEPS
+# 2,048 tokens: the ddp stage on 2 processes takes 2 microbatches each (the first under no_sync,
+# the second all-reduced); the std stage takes 4, the same samples in the same order.
+GLOBAL_BATCH = ["--preset", "tiny", "--max-steps", "1", "--batch-tokens", "2048",
+                "--sample-tokens", "0", "--device", "cpu"]
 
 
 @pytest.fixture(scope="module")
-def std_metrics(builtin_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("std20")
-    result = run_stage("train_gpt2_std.py", *STEPS, "--data", builtin_data, "--out", out)
-    assert result.returncode == 0, result.stderr
-    return runs.read_metrics(out)
+def first_step(builtin_data, tmp_path_factory):
+    """One optimiser step of each stage, run by the scripts' own main(): {"ddp": [rank 0's
+    tensors, rank 1's], "std": [its tensors]} and each run's metrics under "<stage> metrics"."""
+    root = tmp_path_factory.mktemp("first-step")
+    args = [*GLOBAL_BATCH, "--data", builtin_data]
+    torchrun(2, STEP_DUMP, DDP_SCRIPT, root / "ddp", *args, "--out", root / "ddp-run")
+    std = subprocess.run(list(map(str, [sys.executable, STEP_DUMP, STD_SCRIPT, root / "std", *args,
+                                        "--out", root / "std-run"])),
+                         capture_output=True, text=True, timeout=300, env=kit_env(ONE_THREAD))
+    assert std.returncode == 0, std.stderr[-3000:]
+    return {"ddp": [load_file(root / "ddp" / f"rank{r}.safetensors") for r in (0, 1)],
+            "std": [load_file(root / "std" / "rank0.safetensors")],
+            "ddp metrics": runs.read_metrics(root / "ddp-run"),
+            "std metrics": runs.read_metrics(root / "std-run")}
+
+
+def tensors(dump, kind):
+    return {name.removeprefix(f"{kind}."): t for name, t in dump.items() if name.startswith(kind)}
+
+
+def test_ddp_gradients_equal_the_std_gradients_of_the_same_batch(first_step):
+    ddp, std = tensors(first_step["ddp"][0], "grad"), tensors(first_step["std"][0], "grad")
+    assert ddp.keys() == std.keys() and len(std) > 0
+    for name, expected in std.items():
+        torch.testing.assert_close(ddp[name], expected, rtol=1e-5, atol=1e-9, msg=name)
+    # the gradients were clipped to norm 1, which hides their scale: the norms before clipping
+    ddp_step, std_step = first_step["ddp metrics"][0], first_step["std metrics"][0]
+    assert ddp_step["grad_norm"] == pytest.approx(std_step["grad_norm"], rel=1e-5)
+    assert ddp_step["grad_norm"] > 1.0  # so clipping did act
+    assert ddp_step["loss"] == pytest.approx(std_step["loss"], abs=1e-6)
+
+
+def test_ddp_update_equals_the_std_update(first_step):
+    """Adam's first step moves a weight by lr * g / (|g| + eps): about lr where |g| >> eps, and
+    sensitive to the last bits of g where |g| is near eps (8.9e-7 seen). A thousandth of lr
+    still catches any other learning rate or weight decay (lr * wd * |w| is ~6e-6 here)."""
+    ddp, std = tensors(first_step["ddp"][0], "param"), tensors(first_step["std"][0], "param")
+    lr = first_step["std metrics"][0]["lr"]
+    assert first_step["ddp metrics"][0]["lr"] == lr
+    assert ddp.keys() == std.keys()
+    for name, expected in std.items():
+        torch.testing.assert_close(ddp[name], expected, rtol=0, atol=1e-3 * lr, msg=name)
+
+
+def test_both_ranks_hold_the_same_gradients_and_weights(first_step):
+    rank0, rank1 = first_step["ddp"]
+    assert rank0.keys() == rank1.keys()
+    for name, tensor in rank0.items():
+        assert torch.equal(rank1[name], tensor), name
 
 
 @pytest.fixture(scope="module")
 def two_process_run(builtin_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp20")
-    result = torchrun(2, DDP_SCRIPT, *STEPS, "--ckpt-interval", "10", "--data", builtin_data,
-                      "--out", out)
+    result = torchrun(2, DDP_SCRIPT, *STEPS, "--data", builtin_data, "--out", out)
     return out, result.stdout
 
 
-def test_two_processes_follow_std_at_the_same_global_batch(two_process_run, std_metrics):
+def test_two_processes_follow_std_at_the_same_global_batch(two_process_run, std_twenty_steps):
     out, stdout = two_process_run
-    assert "2 processes, backends cpu:gloo" in stdout
+    assert f"2 processes, backends {expected_backends()}\n" in stdout
     assert stdout.count("step 1/20 ") == 1  # only rank 0 prints
     config = runs.read_json(out / "config.json")
     assert (config["stage"], config["world_size"], config["grad_accum"]) == ("ddp", 2, 1)
     ddp_metrics = runs.read_metrics(out)
     assert [r["step"] for r in ddp_metrics] == list(range(1, 21))
-    for ddp, std in zip(ddp_metrics, std_metrics, strict=True):
+    for ddp, std in zip(ddp_metrics, runs.read_metrics(std_twenty_steps), strict=True):
         assert ddp["loss"] == pytest.approx(std["loss"], abs=1e-4)
         assert ddp.get("val_loss", 0) == pytest.approx(std.get("val_loss", 0), abs=1e-4)
     assert runs.load_checkpoint(out)[0] == 20
@@ -73,44 +104,40 @@ def test_two_processes_follow_std_at_the_same_global_batch(two_process_run, std_
 def test_srun_python_tasks_train_like_torchrun(builtin_data, tmp_path, two_process_run):
     """`srun python train_gpt2_ddp.py`: no torchrun, the ranks come from SLURM_* variables."""
     reference, _ = two_process_run
-    tasks = run_as_srun_tasks("train_gpt2_ddp.py", 2, *STEPS, "--ckpt-interval", "10",
-                              "--data", builtin_data, "--out", tmp_path)
+    tasks = run_as_srun_tasks("train_gpt2_ddp.py", 2, *STEPS, "--data", builtin_data,
+                              "--out", tmp_path)
     assert [task.returncode for task in tasks] == [0, 0], tasks[0].stderr[-3000:]
-    assert "2 processes, backends cpu:gloo" in tasks[0].stdout
+    assert f"2 processes, backends {expected_backends()}\n" in tasks[0].stdout
     assert "step" not in tasks[1].stdout  # rank 1 is silent
     got, expected = runs.read_metrics(tmp_path), runs.read_metrics(reference)
     assert [r["step"] for r in got] == list(range(1, 21))
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], abs=1e-6)
 
 
-def test_one_process_without_torchrun_is_the_std_run(builtin_data, tmp_path, std_metrics):
-    result = run_stage("train_gpt2_ddp.py", *STEPS, "--data", builtin_data, "--out", tmp_path)
+def test_one_process_without_torchrun_is_the_std_run(builtin_data, tmp_path, std_twenty_steps):
+    result = run_stage("train_gpt2_ddp.py", *STEPS, "--data", builtin_data, "--out", tmp_path,
+                       env=kit_env(ONE_THREAD))
     assert result.returncode == 0, result.stderr
     assert "processes" not in result.stdout
     assert [r["loss"] for r in runs.read_metrics(tmp_path)] == \
-           pytest.approx([r["loss"] for r in std_metrics], abs=1e-6)
+           pytest.approx([r["loss"] for r in runs.read_metrics(std_twenty_steps)], abs=1e-6)
 
 
 def test_preempted_run_resumes_like_an_uninterrupted_one(builtin_data, tmp_path, two_process_run):
     """SIGUSR1 reaches the ranks at different moments (as Slurm's does); they agree on a step,
     rank 0 checkpoints, all exit 0; the resumed run ends bit for bit where the reference did."""
     reference, _ = two_process_run
-    command = torchrun_command(2, DDP_SCRIPT, *STEPS, "--ckpt-interval", "10",
-                               "--data", builtin_data, "--out", tmp_path)
-    launcher = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=kit_env())
-    deadline = time.time() + 300
-    while len(runs.read_metrics(tmp_path)) < 5:
-        assert launcher.poll() is None and time.time() < deadline, launcher.communicate()
-        time.sleep(0.1)
+    command = torchrun_command(2, DDP_SCRIPT, *STEPS, "--data", builtin_data, "--out", tmp_path)
+    launcher = interrupt.start(command, kit_env())
+    lines = interrupt.read_until(launcher, "step 5/20 ")  # rank 0 has finished step 5
     for worker in psutil.Process(launcher.pid).children():
         worker.send_signal(signal.SIGUSR1)
-        time.sleep(0.05)
-    stdout, stderr = launcher.communicate(timeout=120)
-    assert launcher.returncode == 0, stderr[-3000:]
+        time.sleep(0.05)  # one rank learns of it a little later; they must still agree
+    returncode, output = interrupt.finish(launcher, lines)
+    assert returncode == 0, output[-3000:]
     stopped_at = runs.read_metrics(tmp_path)[-1]["step"]
-    assert f"SIGUSR1 received: checkpoint saved at step {stopped_at}" in stdout
-    assert stopped_at < 20 and runs.load_checkpoint(tmp_path)[0] == stopped_at
+    assert f"SIGUSR1 received: checkpoint saved at step {stopped_at}" in output
+    assert 5 <= stopped_at < 20 and runs.load_checkpoint(tmp_path)[0] == stopped_at
 
     resumed = torchrun(2, DDP_SCRIPT, *command[4:], "--resume")
     assert "resumed from" in resumed.stdout
@@ -121,7 +148,7 @@ def test_preempted_run_resumes_like_an_uninterrupted_one(builtin_data, tmp_path,
 
 
 def test_batch_that_does_not_split_across_processes_is_refused(builtin_data, tmp_path):
-    result = torchrun(2, DDP_SCRIPT, "--preset", "tiny", "--batch-tokens", "512",
-                      "--data", builtin_data, "--out", tmp_path, check=False)
+    result = torchrun(2, DDP_SCRIPT, "--preset", "tiny", "--batch-tokens", "512", "--device",
+                      "cpu", "--data", builtin_data, "--out", tmp_path, check=False)
     assert result.returncode != 0
     assert "error: --batch-tokens 512 is not a multiple of B x T x processes" in result.stderr
