@@ -8,38 +8,30 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import kit_env, run_stage
+from conftest import kit_env
 from coursekit import KIT_ROOT, data, hfexport, runs, stages
 from coursekit.presets import GPT2_VOCAB, get_preset
-from test_stage_ddp import torchrun
 
 pytestmark = pytest.mark.stages
-STEPS = ["--preset", "tiny", "--max-steps", "3", "--eval-interval", "3", "--sample-tokens", "0",
-         "--device", "cpu"]
-STAGE_RUNS = {"std": 1, "ddp": 2, "fsdp": 2}  # processes
+# conftest's runs, trained once for the stage tests too: std in one process, ddp and fsdp on 2
+STAGE_RUNS = {"std": "std_twenty_steps", "ddp": "ddp_ten_steps", "fsdp": "fsdp_ten_steps"}
 
 
-def train(stage, nproc, data_dir, out):
-    args = [*STEPS, "--data", data_dir, "--out", out]
-    if nproc == 1:
-        result = run_stage(f"train_gpt2_{stage}.py", *args)
-        assert result.returncode == 0, result.stderr[-3000:]
-    else:
-        torchrun(nproc, KIT_ROOT / "solutions" / f"train_gpt2_{stage}.py", *args)
-    return out
+def run_directory(request, stage):
+    found = request.getfixturevalue(STAGE_RUNS[stage])
+    return found[0] if isinstance(found, tuple) else found  # fsdp's comes with its stdout
 
 
 @pytest.fixture(scope="module")
-def std_run(builtin_data, tmp_path_factory):
-    return train("std", 1, builtin_data, tmp_path_factory.mktemp("std"))
+def std_run(std_twenty_steps):
+    return std_twenty_steps
 
 
 @pytest.fixture(scope="module", params=list(STAGE_RUNS))
-def exported(request, std_run, builtin_data, tmp_path_factory):
-    """(run directory, export directory) of a 3-step run of each stage."""
+def exported(request, tmp_path_factory):
+    """(run directory, export directory) of a short run of each stage."""
     stage = request.param
-    run_dir = std_run if stage == "std" else train(stage, STAGE_RUNS[stage], builtin_data,
-                                                   tmp_path_factory.mktemp(stage))
+    run_dir = run_directory(request, stage)
     out = tmp_path_factory.mktemp(f"{stage}-hf") / "model"
     hfexport.export(run_dir, out)
     return run_dir, out
@@ -121,7 +113,7 @@ def test_provenance_names_the_run_and_checkpoint(exported):
     run_dir, out = exported
     record = runs.read_json(out / "kit_export.json")
     config = runs.read_json(run_dir / "config.json")
-    assert record["stage"] == config["stage"] and record["step"] == 3
+    assert record["stage"] == config["stage"] and record["step"] == config["args"]["max_steps"]
     assert record["checkpoint"] == str(runs.latest_checkpoint(run_dir).resolve())
     assert not list(out.parent.glob(".model.*"))  # no temporary directory left behind
 
@@ -169,7 +161,7 @@ def test_non_empty_out_needs_force_which_replaces_it(std_run, tmp_path):
     result = export_hf(std_run, out, "--force")
     assert result.returncode == 0, result.stderr[-3000:]
     assert not (out / "notes.txt").exists()
-    assert runs.read_json(out / "kit_export.json")["step"] == 3
+    assert runs.read_json(out / "kit_export.json")["step"] == runs.load_checkpoint(std_run)[0]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # nothing left beside it
 
 

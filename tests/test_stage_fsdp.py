@@ -5,30 +5,25 @@ import shutil
 
 import pytest
 
-from conftest import run_stage
+from conftest import TEN_STEPS, run_stage, torchrun
 from coursekit import KIT_ROOT, memory, presets, runs
-from test_stage_ddp import torchrun
 
 pytestmark = pytest.mark.stages
 FSDP_SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_fsdp.py"
 DDP_SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_ddp.py"
-STEPS = ["--preset", "tiny", "--max-steps", "10", "--eval-interval", "5", "--ckpt-interval", "5",
-         "--sample-tokens", "0", "--device", "cpu"]
+STEPS = TEN_STEPS
 TINY_PARAMETER_BYTES = 3_427_712 * 4  # fp32
 
 
 @pytest.fixture(scope="module")
-def fsdp_two(builtin_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp2")
-    result = torchrun(2, FSDP_SCRIPT, *STEPS, "--data", builtin_data, "--out", out)
-    return out, result.stdout
+def fsdp_two(fsdp_ten_steps):
+    """10 steps on 2 processes, checkpoints at 5 and 10 (conftest's, shared with export-hf)."""
+    return fsdp_ten_steps
 
 
 @pytest.fixture(scope="module")
-def ddp_two(builtin_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp2")
-    torchrun(2, DDP_SCRIPT, *STEPS, "--data", builtin_data, "--out", out)
-    return runs.read_metrics(out)
+def ddp_two(ddp_ten_steps):
+    return runs.read_metrics(ddp_ten_steps)
 
 
 def losses(metrics, keys=("loss", "val_loss")):
@@ -98,24 +93,34 @@ def test_a_two_rank_checkpoint_resumes_at_another_world_size(fsdp_two, builtin_d
            pytest.approx([TINY_PARAMETER_BYTES / nproc] * nproc, rel=0.05)
 
 
+SHORT = ["--preset", "tiny", "--max-steps", "3", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def one_process(builtin_data, tmp_path_factory):
+    """3 steps in one process without a launcher, ending with an 8-token sample: (run directory,
+    CompletedProcess). The plain run the memory options are compared with."""
+    out = tmp_path_factory.mktemp("fsdp1")
+    result = run_stage("train_gpt2_fsdp.py", *SHORT, "--sample-tokens", "8",
+                       "--data", builtin_data, "--out", out)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, result
+
+
 @pytest.mark.parametrize("flag", ["--activation-checkpointing", "--cpu-offload"])
-def test_memory_options_keep_the_losses(builtin_data, tmp_path, flag):
-    short = ["--preset", "tiny", "--max-steps", "3", "--sample-tokens", "0", "--device", "cpu",
-             "--data", builtin_data]
-    plain = run_stage("train_gpt2_fsdp.py", *short, "--out", tmp_path / "plain")
-    option = run_stage("train_gpt2_fsdp.py", *short, flag, "--out", tmp_path / "option")
-    assert plain.returncode == 0 and option.returncode == 0, option.stderr[-3000:]
-    assert losses(runs.read_metrics(tmp_path / "option")) == \
-           pytest.approx(losses(runs.read_metrics(tmp_path / "plain")), abs=1e-6)
+def test_memory_options_keep_the_losses(builtin_data, tmp_path, one_process, flag):
+    plain, _ = one_process
+    option = run_stage("train_gpt2_fsdp.py", *SHORT, "--sample-tokens", "0", flag,
+                       "--data", builtin_data, "--out", tmp_path)
+    assert option.returncode == 0, option.stderr[-3000:]
+    assert losses(runs.read_metrics(tmp_path)) == \
+           pytest.approx(losses(runs.read_metrics(plain)), abs=1e-6)
 
 
-def test_one_process_needs_no_launcher(builtin_data, tmp_path):
+def test_one_process_needs_no_launcher(one_process):
     """A group of one: `python train_gpt2_fsdp.py` shards over a single rank, checkpoints with
     torch.distributed.checkpoint, and writes its sample on exit."""
-    result = run_stage("train_gpt2_fsdp.py", "--preset", "tiny", "--max-steps", "2",
-                       "--sample-tokens", "8", "--device", "cpu", "--data", builtin_data,
-                       "--out", tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
+    out, result = one_process
     assert "Warning" not in result.stderr, result.stderr  # no noise at exit
-    assert (tmp_path / "ckpt" / "step_00000002" / ".metadata").is_file()
-    assert (tmp_path / "sample.txt").read_text().strip()
+    assert (out / "ckpt" / "step_00000003" / ".metadata").is_file()
+    assert (out / "sample.txt").read_text().strip()

@@ -7,14 +7,12 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import run_stage
+from conftest import run_stage, torchrun
 from coursekit import KIT_ROOT, runs
-from test_stage_ddp import torchrun
 from test_stage_fsdp import checkpoint_at_step_5, losses
 
 pytestmark = pytest.mark.stages
 PP_SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_pp.py"
-DDP_SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_ddp.py"
 SCHEDULES = ["gpipe", "1f1b"]
 STEPS = ["--preset", "tiny", "--max-steps", "10", "--eval-interval", "5", "--ckpt-interval", "5",
          "--device", "cpu"]
@@ -34,10 +32,9 @@ def test_a_pipeline_step_equals_the_single_process_step(nproc, schedule):
 
 
 @pytest.fixture(scope="module")
-def ddp_two(builtin_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp2")
-    torchrun(2, DDP_SCRIPT, *STEPS, "--sample-tokens", "0", "--data", builtin_data, "--out", out)
-    return runs.read_metrics(out)
+def ddp_two(ddp_ten_steps):
+    """10 steps of ddp on 2 processes, as STEPS (conftest's TEN_STEPS) with no sample."""
+    return runs.read_metrics(ddp_ten_steps)
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +128,8 @@ def test_microbatches_that_do_not_divide_the_minibatch_are_refused(builtin_data,
 
 
 @pytest.mark.parametrize("nproc, flags, message", [
-    (5, [], "error: 5 processes for a 4-block model: a pipeline has at most one stage per "
-            "block, so use 1 to 4 processes"),
+    (3, ["--n-layer", "2"], "error: 3 processes for a 2-block model: a pipeline has at most one "
+                            "stage per block, so use 1 to 2 processes"),
     (2, ["--schedule", "1f1b", "--microbatches", "1"],
      "error: --schedule 1f1b needs at least one microbatch per stage: --microbatches 1 < 2 "
      "stages (raise it, or --schedule gpipe)"),

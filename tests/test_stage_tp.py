@@ -8,10 +8,9 @@ import shutil
 import pytest
 import torch
 
-from conftest import run_as_srun_tasks
+from conftest import run_as_srun_tasks, torchrun
 from coursekit import KIT_ROOT, presets, runs, stages
-from test_stage_ddp import torchrun
-from test_stage_fsdp import DDP_SCRIPT, STEPS, TINY_PARAMETER_BYTES, losses
+from test_stage_fsdp import STEPS, TINY_PARAMETER_BYTES, losses
 
 pytestmark = pytest.mark.stages
 TP_SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_tp.py"
@@ -47,10 +46,8 @@ def test_logits_and_gradients_equal_the_single_process_ones(nproc):
 
 
 @pytest.fixture(scope="module")
-def ddp_two(builtin_data, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp2")
-    torchrun(2, DDP_SCRIPT, *STEPS, "--data", builtin_data, "--out", out)
-    return runs.read_metrics(out)
+def ddp_two(ddp_ten_steps):
+    return runs.read_metrics(ddp_ten_steps)
 
 
 @pytest.fixture(scope="module")
