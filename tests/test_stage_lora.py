@@ -151,17 +151,61 @@ def test_batched_greedy_answers_equal_one_at_a_time(base_model, tasks):
     assert batched == single
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.fixture(scope="module")
+def full_run(base_model, tasks, tmp_path_factory):
+    """--method full: one step that trains every weight of the base model."""
+    out = tmp_path_factory.mktemp("full") / "run"
+    result = launch("single", out, base_model, tasks, "--method", "full", "--max-steps", 1,
+                    "--eval-examples", 8, "--lora-dropout", 0)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return out, result.stdout
+
+
+def test_full_fine_tuning_trains_every_weight(full_run, base_model):
+    """Nothing frozen: every parameter counts as trainable, and every weight of the saved model
+    moved away from the base model's (a weight left out of the optimiser would not move)."""
+    from safetensors.torch import load_file
+    out, stdout = full_run
+    config = runs.read_json(out / "config.json")
+    assert config["trainable"] == config["parameters"] > 0 and config["trainable_fraction"] == 1.0
+    assert f"full: {config['parameters']:,} trainable (100.00%)" in stdout
+    assert not (out / "adapter").exists()  # no LoRA adapters, the whole model instead
+    base = load_file(base_model / "model.safetensors")
+    tuned = load_file(out / "model" / "model.safetensors")
+    assert base.keys() <= tuned.keys()
+    unchanged = [name for name, weight in base.items() if torch.equal(tuned[name], weight)]
+    assert unchanged == []
+
+
+BAD_INPUT = [
     (["--model", "/nonexistent/model"], "cannot load --model /nonexistent/model"),
     (["--batch-size", "24", "--micro-batch", "16"], "--batch-size 24 is not a multiple"),
     (["--lora-dropout", "1.5"], "--lora-dropout 1.5"),
     (["--data", "/nonexistent/tasks"], "--data /nonexistent/tasks"),
-])
-def test_bad_input_gets_one_line(args, message, base_model, tasks, tmp_path):
-    command = [sys.executable, SCRIPT, "--model", base_model, "--data", tasks,
-               "--out", tmp_path / "run", *args]
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUT, ids=["model", "batch", "dropout", "data"])
+def test_bad_input_gets_one_line(args, message, base_model, tasks, tmp_path, monkeypatch, capsys):
+    """The script's own argument checks, in this process (the first thing main() does), as one
+    process of a launch would run them."""
+    sys.path.insert(0, str(KIT_ROOT / "solutions"))
+    import finetune_lora
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit) as stopped:
+        finetune_lora.parse_args(list(map(str, ["--model", base_model, "--data", tasks,
+                                                "--out", tmp_path / "run", *args])))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2
+    assert len(lines) == 1 and message in lines[0], lines
+
+
+def test_bad_input_stops_the_script_with_one_line(base_model, tasks, tmp_path):
+    """The same as a whole process: a failed status and nothing on stderr but the one line."""
+    command = [sys.executable, SCRIPT, "--model", "/nonexistent/model", "--data", tasks,
+               "--out", tmp_path / "run"]
     result = subprocess.run(list(map(str, command)), capture_output=True, text=True,
                             env=kit_env(), cwd=KIT_ROOT, timeout=300)
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], result.stderr[-2000:]
+    assert len(lines) == 1 and "cannot load --model /nonexistent/model" in lines[0], lines
