@@ -73,7 +73,7 @@ def test_a_model_that_is_not_registered_is_one_line(in_process, empty_store):
 
 
 def tiny_model(out):
-    """A randomly initialised one-layer GPT-2 with GPT-2's tokenizer, as a Hugging Face directory."""
+    """A random one-layer GPT-2 with GPT-2's tokenizer, as a Hugging Face model directory."""
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 

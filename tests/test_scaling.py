@@ -34,7 +34,7 @@ def test_amdahl_caps_the_speedup_at_one_over_the_serial_fraction():
 def test_karp_flatt_recovers_the_serial_fraction_of_an_amdahl_run():
     for fraction in (0.0, 0.03, 0.2):
         for p in (2, 16, 1000):
-            tp = 100 / scaling.amdahl_speedup(fraction, p)
+            tp = 100 * (fraction + (1 - fraction) / p)  # the serial part, then the split part
             assert scaling.karp_flatt(100, tp, p) == pytest.approx(fraction, abs=1e-12)
 
 

@@ -66,9 +66,11 @@ def test_std_run_reads_back_with_params_metric_history_and_artifacts(std_tracked
     assert [m.step for m in client.get_metric_history(run.info.run_id, "val_loss")] == [2, 4]
     tags = run.data.tags
     assert tags["stage"] == "std" and tags["world_size"] == "1" and tags["torch"] == torch.__version__
-    meta = json.loads((builtin_data / "meta.json").read_text())
-    expected = hashlib.sha256(json.dumps(meta["manifest"], sort_keys=True).encode()).hexdigest()
-    assert tags["data_manifest_sha256"] == expected
+    # the tag names the lineage record of config.json, whose files are the shards' real digests
+    lineage = json.loads((std_tracked / "config.json").read_text())["data_manifest"]
+    assert tags["data_manifest_sha256"] == lineage["sha256"]
+    assert lineage["files"] == {shard.name: hashlib.sha256(shard.read_bytes()).hexdigest()
+                                for shard in sorted(builtin_data.glob("*.npy"))}
     assert len(tags["git_commit"].split("+")[0]) == 40
     artifacts = artifact_paths(client, run.info.run_id)
     assert {"config.json", "metrics.jsonl", "sample.txt", "loss.png",
