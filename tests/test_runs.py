@@ -1,6 +1,7 @@
 """Run directories: metrics.jsonl, atomic JSON, checkpoints in safetensors + JSON."""
 import hashlib
 import json
+import shutil
 
 import pytest
 import torch
@@ -100,8 +101,21 @@ def test_start_run_keeps_the_metrics_up_to_the_resumed_step(tmp_path):
 def test_start_run_records_the_manifest_of_its_data(tmp_path, builtin_data):
     runs.start_run(tmp_path, {"stage": "std", "args": {"data": str(builtin_data)}}, 0)
     recorded = runs.read_json(tmp_path / "config.json")["data_manifest"]
-    meta = runs.read_json(builtin_data / "meta.json")
-    assert recorded["files"] == meta["manifest"] and len(recorded["files"]) >= 2
-    shard = (builtin_data / "val_000000.npy").read_bytes()
-    assert recorded["files"]["val_000000.npy"] == hashlib.sha256(shard).hexdigest()
+    assert recorded["files"] == {shard.name: hashlib.sha256(shard.read_bytes()).hexdigest()
+                                 for shard in sorted(builtin_data.glob("*.npy"))}
     assert runs.verify_data(tmp_path) == (recorded, [])
+
+
+def test_verify_data_names_each_file_that_differs(tmp_path, builtin_data):
+    run_dir, copy = tmp_path / "run", tmp_path / "data"
+    run_dir.mkdir()
+    shutil.copytree(builtin_data, copy)
+    runs.start_run(run_dir, {"stage": "std", "args": {"data": str(copy)}}, 0)
+    shard = bytearray((copy / "val_000000.npy").read_bytes())
+    shard[-1] ^= 1  # one token changed
+    (copy / "val_000000.npy").write_bytes(bytes(shard))
+    (copy / "train_000000.npy").unlink()
+    (copy / "train_000001.npy").write_bytes(b"")
+    _, problems = runs.verify_data(run_dir)
+    assert problems == ["train_000000.npy missing", "val_000000.npy changed",
+                        "train_000001.npy not in the manifest"]
