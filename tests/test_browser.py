@@ -4,8 +4,11 @@ with Selenium): what a reader and a trainee see.
 - Book, served from a local HTTP server with no internet: every page loads with no console error;
   a lesson's widget renders from the site's own JavaScript (its DOM is there and its screenshot is
   not blank); the search page finds a glossary term.
-- JupyterLab on 127.0.0.1 with a token: lesson 01 opens, runs all its cells with no error output,
-  and moving a slider of its batch calculator changes what the calculator shows.
+- JupyterLab on 127.0.0.1 with a token: a lesson (LAB_LESSON) opens, runs all its cells with no
+  error output, and moving a slider of its batch calculator changes what the calculator shows.
+
+Every wait is for a state of the page (loaded, widgets rendered, formulas typeset, fonts loaded, a
+cell's output changed), never for a length of time.
 
 Screenshots are kept in _build/browser/ and listed at the end of the test output.
 """
@@ -27,6 +30,7 @@ import pytest
 from conftest import SCREENSHOTS, debian_tool, free_port, kit_env
 from PIL import Image
 from selenium import webdriver
+from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
@@ -38,7 +42,8 @@ from coursekit import KIT_ROOT
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 SCREENSHOT_DIR = KIT_ROOT / "_build" / "browser"
-LESSON_01 = KIT_ROOT / "notebooks" / "01-single-gpu-gpt" / "01-single-gpu-gpt.ipynb"
+#: The lesson JupyterLab runs from start to end; it shows the batch calculator with its defaults.
+LAB_LESSON = KIT_ROOT / "notebooks" / "01-single-gpu-gpt" / "01-single-gpu-gpt.ipynb"
 
 
 @pytest.fixture(scope="module")
@@ -55,6 +60,7 @@ def browser():
     driver = webdriver.Chrome(service=Service(executable_path=debian_tool("chromedriver",
                                                                           "chromium-driver")),
                               options=options)
+    driver.set_script_timeout(120)  # execute_async_script waits for typesetting and fonts
     yield driver
     driver.quit()
 
@@ -64,7 +70,10 @@ def console_errors(driver):
 
 
 def wait_for(driver, condition, seconds, what):
-    return WebDriverWait(driver, seconds, poll_frequency=0.5).until(condition, message=what)
+    # elements that a page re-renders while we look (search results, widgets) go stale: look again
+    return WebDriverWait(driver, seconds, poll_frequency=0.5,
+                         ignored_exceptions=[StaleElementReferenceException]).until(condition,
+                                                                                    message=what)
 
 
 def screenshot(element, name):
@@ -81,11 +90,15 @@ def screenshot(element, name):
 
 # --- the book ------------------------------------------------------------------------------------
 
+class QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):  # a line per request on stderr would bury the test's output
+        pass
+
+
 @pytest.fixture(scope="module")
 def book_url(built_book):
     """The built book served over HTTP on 127.0.0.1, as a reader's browser would get it."""
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=built_book)
-    handler.log_message = lambda *args: None
+    handler = functools.partial(QuietHandler, directory=built_book)
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
@@ -97,28 +110,65 @@ def book_pages(built_book):
                   if "_static" not in p.parts and "_sources" not in p.parts)
 
 
+# The widget manager puts a .widget-subarea before each view's script tag and attaches the
+# rendered view in it; a box's children follow in promise callbacks, which finish before the next
+# script WebDriver runs.
+WIDGETS_RENDERED = """
+return [...document.querySelectorAll('script[type="application/vnd.jupyter.widget-view+json"]')]
+    .every(tag => tag.previousElementSibling?.matches('.widget-subarea')
+                  && tag.previousElementSibling.firstElementChild !== null);
+"""
+# MathJax 3 chains every typesetting (the page's and the widgets') onto startup.promise. A frame
+# later, layout has asked for every font the page uses, and document.fonts.ready waits for them.
+TYPESET_AND_FONTS = """
+const done = arguments[arguments.length - 1];
+const typeset = window.MathJax?.startup?.promise ?? Promise.resolve();
+typeset.then(() => new Promise(frame => requestAnimationFrame(frame)))
+       .then(() => document.fonts.ready)
+       .then(() => done(''), error => done(`typesetting or font loading failed: ${error}`));
+"""
+
+
+def load_and_settle(driver, url):
+    """Open a book page and wait until what its scripts do after the load event is done: widgets
+    rendered, formulas typeset, fonts loaded (a missing one is a console error). Returns what did
+    not finish, if anything."""
+    driver.get(url)
+    for script, failure in [("return document.readyState === 'complete'", "it did not load"),
+                            (WIDGETS_RENDERED, "its widgets did not render")]:
+        try:
+            WebDriverWait(driver, 60, poll_frequency=0.2).until(lambda d: d.execute_script(script))
+        except TimeoutException:
+            return [f"{failure} within 60 s"]
+    unfinished = driver.execute_async_script(TYPESET_AND_FONTS)
+    return [unfinished] if unfinished else []
+
+
 def test_every_book_page_loads_without_console_errors(browser, built_book, book_url):
     failures = {}
     for page in book_pages(built_book):
-        browser.get(f"{book_url}/{page}")
-        wait_for(browser, lambda d: d.execute_script("return document.readyState") == "complete",
-                 30, f"{page} did not finish loading")
-        time.sleep(0.5)  # scripts that run after the load event (widgets, search) log by now
-        errors = console_errors(browser)
+        errors = load_and_settle(browser, f"{book_url}/{page}") + console_errors(browser)
         if errors:
             failures[page] = errors
     assert len(book_pages(built_book)) >= 12 and not failures, failures
 
 
 def test_a_lesson_widget_renders_from_the_sites_javascript(browser, book_url):
-    browser.get(f"{book_url}/notebooks/04-model-parallelism/04-model-parallelism.html")
-    calculator = wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, ".widget-vbox"), 60,
-                          "the memory calculator's widget box never rendered")[0]
+    page = f"{book_url}/notebooks/04-model-parallelism/04-model-parallelism.html"
+    assert not load_and_settle(browser, page)
+
+    def whole_calculator(driver):  # the memory calculator's box, once all its controls are in it
+        for box in driver.find_elements(By.CSS_SELECTOR, ".widget-vbox"):
+            controls = (len(box.find_elements(By.CSS_SELECTOR, ".widget-slider")),
+                        len(box.find_elements(By.CSS_SELECTOR, ".widget-dropdown select")))
+            if "per rank" in box.text and controls == (2, 4):
+                return box
+        return None
+
+    calculator = wait_for(browser, whole_calculator, 60, "the memory calculator's box never "
+                          "rendered with its 2 sliders and 4 drop-downs")
     browser.execute_script("arguments[0].scrollIntoView()", calculator)
-    sliders = calculator.find_elements(By.CSS_SELECTOR, ".widget-slider")
-    dropdowns = calculator.find_elements(By.CSS_SELECTOR, ".widget-dropdown select")
-    assert len(sliders) == 2 and len(dropdowns) == 4
-    assert "GPT-2 124M" in calculator.text and "per rank" in calculator.text
+    assert "GPT-2 124M" in calculator.text
     assert screenshot(calculator, "book-memory-calculator") > 0.02  # not a blank box
     assert not console_errors(browser)
 
@@ -137,14 +187,17 @@ def test_the_search_page_finds_a_glossary_term(browser, book_url):
 
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
-    """JupyterLab serving a copy of lesson 01 on 127.0.0.1 with a token (the copy, so that its
+    """JupyterLab serving a copy of LAB_LESSON on 127.0.0.1 with a token (the copy, so that its
     autosave cannot write outputs into the committed notebook); yields its URL and token."""
     root = tmp_path_factory.mktemp("lab")
-    shutil.copy(LESSON_01, root)
+    shutil.copy(LAB_LESSON, root)
     port, token = free_port(), secrets.token_hex(16)
     server = subprocess.Popen(
         [str(Path(sys.executable).parent / "jupyter"), "lab", "--no-browser", "--ip", "127.0.0.1",
-         f"--port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
+         # port_retries=0: if another process took the port since free_port(), fail here rather
+         # than serve on another port while the test asks this one
+         f"--port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+         f"--ServerApp.root_dir={root}",
          "--LabApp.expose_app_in_browser=True", *(["--allow-root"] if os.geteuid() == 0 else [])],
         env=kit_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
@@ -155,7 +208,7 @@ def lab(tmp_path_factory):
             break
         except OSError:
             assert server.poll() is None and time.monotonic() < deadline, "JupyterLab did not start"
-            time.sleep(0.5)
+            time.sleep(0.5)  # the interval between two requests: the loop waits for an answer
     yield url, token
     os.killpg(server.pid, signal.SIGTERM)
     server.wait(timeout=30)
@@ -171,13 +224,19 @@ return notebook.widgets.filter(cell => cell.model.type === 'code').map(cell => (
 """
 
 
-def test_jupyterlab_runs_lesson_01_and_its_calculator_answers_a_slider(browser, lab):
+# The batch calculator's output with its defaults (GPT-2 124M: micro-batch 64 x 8 accumulation
+# steps x 1024 tokens), and after one step right on the micro-batch slider (65 x 8 x 1024).
+CALCULATOR_DEFAULT, CALCULATOR_MOVED = "524,288 tokens per step", "532,480 tokens per step"
+
+
+def test_jupyterlab_runs_the_lesson_and_its_calculator_answers_a_slider(browser, lab):
     url, token = lab
-    browser.get(f"{url}/lab/tree/{LESSON_01.name}?token={token}")
+    lesson = LAB_LESSON.stem
+    browser.get(f"{url}/lab/tree/{LAB_LESSON.name}?token={token}")
     wait_for(browser, lambda d: d.execute_script(
         f"const w = window.jupyterapp && {NOTEBOOK};"
         "return !!(w && w.sessionContext && w.sessionContext.kernelDisplayStatus === 'idle');"),
-        120, "lesson 01 did not open with an idle kernel")
+        120, f"{lesson} did not open with an idle kernel")
     start = time.perf_counter()
     browser.execute_script("window.jupyterapp.commands.execute('notebook:run-all-cells')")
 
@@ -186,22 +245,28 @@ def test_jupyterlab_runs_lesson_01_and_its_calculator_answers_a_slider(browser, 
         return any(c["errors"] for c in cells) or all(c["count"] for c in cells) and \
             driver.execute_script(f"return {NOTEBOOK}.sessionContext.kernelDisplayStatus === 'idle'")
 
-    wait_for(browser, finished, 900, "lesson 01 was still running after 15 minutes")
+    wait_for(browser, finished, 900, f"{lesson} was still running after 15 minutes")
     cells = browser.execute_script(CELLS)
-    print(f"lesson 01 in JupyterLab: {len(cells)} code cells in {time.perf_counter() - start:.0f} s")
+    print(f"{lesson} in JupyterLab: {len(cells)} code cells in {time.perf_counter() - start:.0f} s")
     assert [c for c in cells if c["errors"]] == []
     assert all(c["count"] for c in cells), "some cells did not run"
-    screenshot(browser.find_element(By.CSS_SELECTOR, ".jp-NotebookPanel"), "lab-lesson-01")
+    screenshot(browser.find_element(By.CSS_SELECTOR, ".jp-NotebookPanel"), f"lab-{lesson}")
 
-    calculator = next(box for box in browser.find_elements(By.CSS_SELECTOR, ".widget-vbox")
-                      if "tokens per step" in box.text)
+    def calculator_output(driver):  # the kernel is idle before the front end renders its widgets
+        for box in driver.find_elements(By.CSS_SELECTOR, ".widget-vbox"):
+            shown = box.find_elements(By.CSS_SELECTOR, ".widget-html")
+            if shown and "tokens per step" in shown[0].text:
+                return box
+        return None
+
+    calculator = wait_for(browser, calculator_output, 60, "the batch calculator did not render")
     browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", calculator)
     shown = calculator.find_element(By.CSS_SELECTOR, ".widget-html").text
-    assert "524,288 tokens per step" in shown
+    assert CALCULATOR_DEFAULT in shown
     handle = calculator.find_elements(By.CSS_SELECTOR, ".widget-slider .noUi-handle")[0]
     handle.click()
     handle.send_keys(Keys.ARROW_RIGHT)  # micro-batch 64 -> 65
     wait_for(browser, lambda d: calculator.find_element(By.CSS_SELECTOR, ".widget-html").text != shown,
              30, "moving the micro-batch slider did not change the calculator's output")
-    assert "532,480 tokens per step" in calculator.find_element(By.CSS_SELECTOR, ".widget-html").text
+    assert CALCULATOR_MOVED in calculator.find_element(By.CSS_SELECTOR, ".widget-html").text
     screenshot(calculator, "lab-batch-calculator")
