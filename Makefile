@@ -79,7 +79,7 @@ test: setup $(BOOK_JS) $(INSTRUCT_DATA) $(BASE_MODEL)
 	$(BIN)/python -m pytest
 
 test-fast: setup
-	$(BIN)/python -m pytest -m "unit or diffs"
+	$(BIN)/python -m pytest -m "(unit or diffs) and not slow"
 
 lab: setup
 	$(BIN)/jupyter lab --ip 127.0.0.1 --no-browser $(if $(filter 0,$(shell id -u)),--allow-root)

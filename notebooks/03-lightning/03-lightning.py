@@ -282,8 +282,8 @@ for flags in refusals:
 
 # %% tags=["demo"]
 DEVICE = "auto" if torch.cuda.device_count() >= 2 else "cpu"  # 2 GPUs, or 2 CPU processes
-STEPS = ["--preset", "tiny", "--device", DEVICE, "--data", str(DATA), "--max-steps", "20",
-         "--eval-interval", "10", "--ckpt-interval", "10", "--sample-tokens", "0", "--devices", "2"]
+STEPS = ["--preset", "tiny", "--device", DEVICE, "--data", str(DATA), "--max-steps", "12",
+         "--eval-interval", "6", "--ckpt-interval", "6", "--sample-tokens", "0", "--devices", "2"]
 shutil.rmtree(RUNS / "notebook", ignore_errors=True)
 start = time.perf_counter()
 lit.main(STEPS + ["--strategy", "ddp_notebook", "--out", str(RUNS / "notebook")])
@@ -339,8 +339,8 @@ print("step:", checkpoint["global_step"])
 print("data position:", checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"])
 
 # %% [markdown]
-# Now a failure: the same run, killed without warning (as when a node dies) after step 13. Its
-# last checkpoint is from step 10. `--resume` continues from it; steps 11 to 20 of the resumed
+# Now a failure: the same run, killed without warning (as when a node dies) after step 8. Its
+# last checkpoint is from step 6. `--resume` continues from it; steps 7 to 12 of the resumed
 # run should repeat those of the uninterrupted run exactly.
 
 # %% tags=["demo"]
@@ -348,7 +348,7 @@ shutil.rmtree(RUNS / "killed", ignore_errors=True)
 job = subprocess.Popen([sys.executable, str(SCRIPT), *STEPS, "--out", str(RUNS / "killed")],
                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ONE_THREAD,
                        start_new_session=True)  # its own process group: both ranks die together
-while len(runs.read_metrics(RUNS / "killed")) < 13 and job.poll() is None:
+while len(runs.read_metrics(RUNS / "killed")) < 8 and job.poll() is None:
     time.sleep(0.1)
 os.killpg(job.pid, signal.SIGKILL)
 job.wait()

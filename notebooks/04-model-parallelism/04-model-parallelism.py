@@ -316,7 +316,10 @@ def memory_in_use():
     return psutil.Process().memory_info().rss
 
 
-def activations_and_time(checkpointing, micro_batch=8):
+MICRO_BATCH = 4  # samples of 256 tokens: enough for the activations to stand out
+
+
+def activations_and_time(checkpointing, micro_batch=MICRO_BATCH):
     """(bytes that forward keeps for backward, seconds of forward + backward)."""
     torch.manual_seed(0)
     model = fsdp.GPT(fsdp.GPTConfig(vocab_size=small.vocab_size, block_size=small.seq_len,
@@ -337,7 +340,7 @@ def activations_and_time(checkpointing, micro_batch=8):
 trade = {}
 for checkpointing in (False, True):
     held, seconds = activations_and_time(checkpointing)
-    predicted = memory.activation_bytes(SMALL, 8, small.seq_len, "fp32", checkpointing)
+    predicted = memory.activation_bytes(SMALL, MICRO_BATCH, small.seq_len, "fp32", checkpointing)
     trade[checkpointing] = (held, seconds)
     print(f"{'checkpointing' if checkpointing else 'plain':14s} forward keeps {held / MiB:5.0f} MiB "
           f"(predicted {predicted / MiB:5.0f} MiB) | forward + backward {seconds * 1000:5.0f} ms")
@@ -348,7 +351,7 @@ print(f"checkpointing: {ckpt_s / plain_s:.2f}x the time for {1 - ckpt_held / pla
 # %% [markdown]
 # Compare each measurement with its prediction from `coursekit.memory`: the arithmetic of a few
 # lines should land within some percent of what forward really keeps. Most of what checkpointing
-# leaves is the logits ($8 \times 256 \times 50{,}304$ floats and their softmax), which
+# leaves is the logits ($4 \times 256 \times 50{,}304$ floats and their softmax), which
 # checkpointing the blocks does not touch. The time costs less than a third more here because the
 # output head, which is not recomputed, does most of this small model's arithmetic; on
 # GPT-2-sized blocks expect about a third more.

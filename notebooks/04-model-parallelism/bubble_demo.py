@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-LAYERS, WIDTH, SAMPLES = 8, 512, 1024  # one step: 8 x 1024 x 512^2 multiply-adds, forward
-WARMUP, TIMED = 2, 5
+LAYERS, WIDTH, SAMPLES = 8, 512, 512  # one step: 8 x 512 x 512^2 multiply-adds, forward
+WARMUP, TIMED = 1, 5
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
