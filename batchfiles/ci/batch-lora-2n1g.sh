@@ -42,7 +42,7 @@ srun bash -c 'accelerate launch --config_file "$ACCELERATE_CONFIG" \
     --num_machines 2 --num_processes 2 --machine_rank "$SLURM_NODEID" \
     --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" \
     solutions/finetune_lora.py --preset tiny --data data/instruct --out runs/ci-lora-2n1g --resume \
-    --max-steps 12 --eval-interval 6 --eval-examples 16 --ckpt-interval 3 --lora-dropout 0' &
+    --max-steps 6 --eval-interval 6 --eval-examples 16 --ckpt-interval 3 --lora-dropout 0' &
 step=$!
 status=0
 wait "$step" || status=$?

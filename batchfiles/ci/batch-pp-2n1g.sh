@@ -33,7 +33,7 @@ srun torchrun --nnodes=2 --nproc-per-node=1 \
     --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" \
     --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
     solutions/train_gpt2_pp.py --preset tiny --data data/builtin --out runs/ci-pp-2n1g --resume \
-    --max-steps 12 --eval-interval 6 --ckpt-interval 3 --sample-tokens 0 --device cpu &
+    --max-steps 6 --eval-interval 6 --eval-steps 2 --ckpt-interval 3 --sample-tokens 0 --device cpu &
 step=$!
 status=0
 wait "$step" || status=$?

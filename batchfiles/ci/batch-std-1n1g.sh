@@ -31,7 +31,7 @@ preempted=0
 trap 'preempted=1; scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
 srun python \
     solutions/train_gpt2_std.py --preset tiny --data data/builtin --out runs/ci-std-1n1g --resume \
-    --max-steps 12 --eval-interval 6 --ckpt-interval 3 --sample-tokens 0 --device cpu &
+    --max-steps 6 --eval-interval 6 --eval-steps 2 --ckpt-interval 3 --sample-tokens 0 --device cpu &
 step=$!
 status=0
 wait "$step" || status=$?
