@@ -1,20 +1,26 @@
 #!/bin/bash
 # A throw-away Slurm cluster on this one machine for the tests: one slurmctld and N slurmd
-# ("node1".."nodeN"). Each slurmd runs in its own UTS and mount namespace, so `hostname` in a job
-# says node1, node2, ... and those names resolve (through a private copy of /etc/hosts that only
-# the slurmds and their jobs see) to 127.0.0.11, 127.0.0.12, ...
-# Two more nodes, "site1" and "site2" in the partition "sites", are shaped like the largest GPU
-# node of the real site profiles (288 cores, 8 GPUs; the GPUs are stand-in device files and
-# slurmd trusts slurm.conf over the hardware): there the real sites' batch files pass
-# `sbatch --test-only --partition=sites`. No job runs on them.
+# ("node1".."nodeN") in the partition "debug". Each slurmd runs in its own UTS and mount
+# namespace, so `hostname` in a job says node1, node2, ... and those names resolve (through a
+# private copy of /etc/hosts that only the slurmds and their jobs see) to 127.0.0.11, 127.0.0.12...
+# Beside it, for each line "site partition cores gpus memory_mb max_time" of SLURM_CI_SITES, a
+# copy of that real site's partition: a slurmctld of its own (config in
+# $SLURM_CI_DIR/sites/<site>/slurm.conf) with 2 nodes "gpu1", "gpu2" of the site's shape, and the
+# site's partition with its time limit, the only partition there. `sbatch --test-only` against it
+# refuses what the site would refuse for those reasons. No job runs there: its nodes are
+# powered-down cloud nodes, which the scheduler counts as available and never contacts.
 # Installs Slurm and munge from Debian's packages if they are missing. Needs root.
 #   SLURM_CI_DIR=/tmp/slurm-ci tests/slurm/cluster-up.sh     then: export SLURM_CONF=$SLURM_CI_DIR/slurm.conf
 #   SLURM_CI_DIR=/tmp/slurm-ci tests/slurm/cluster-down.sh   stops every daemon by its PID file
+# Optional: SLURM_CI_NODES (2), SLURM_CI_CPUS (this machine's cores), SLURM_CI_MEM_MB (4000) and
+# SLURM_CI_MAX_TIME (INFINITE) shape the debug nodes and partition.
 set -euo pipefail
 dir=${SLURM_CI_DIR:?set SLURM_CI_DIR to a scratch directory}
 nodes=${SLURM_CI_NODES:-2}
-cpus=$(nproc)  # per node: the nodes share this machine's cores
-site_cpus=288 site_gpus=8
+cpus=${SLURM_CI_CPUS:-$(nproc)}  # per node: the nodes share this machine's cores
+memory=${SLURM_CI_MEM_MB:-4000}
+max_time=${SLURM_CI_MAX_TIME:-INFINITE}
+sites=${SLURM_CI_SITES:-}
 
 if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null \
    || ! command -v sbatch >/dev/null || ! command -v munged >/dev/null; then
@@ -34,33 +40,21 @@ if ! munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then
   mkdir -p "$dir/run" && cp /run/munge/munged.pid "$dir/run/munged.pid"
 fi
 
-if (exec 3<>/dev/tcp/127.0.0.1/6817) 2>/dev/null; then
-  echo "a slurmctld already listens on port 6817: stop that cluster first (cluster-down.sh)" >&2
-  exit 1
-fi
-rm -rf "$dir/state" "$dir/spool" "$dir/log"
+# the controllers' ports: 6817 for the debug cluster, 6821, 6822, ... for the sites
+site_count=$(printf '%s\n' "$sites" | grep -c . || true)
+for port in 6817 $(seq 6821 $((6820 + site_count))); do
+  if (exec 3<>/dev/tcp/127.0.0.1/"$port") 2>/dev/null; then
+    echo "a slurmctld already listens on port $port: stop that cluster first (cluster-down.sh)" >&2
+    exit 1
+  fi
+done
+rm -rf "$dir/state" "$dir/spool" "$dir/log" "$dir/sites"
 mkdir -p "$dir/state" "$dir/log" "$dir/run"
-cp /etc/hosts "$dir/hosts"
-node_lines=""
-for i in $(seq 1 "$nodes"); do
-  mkdir -p "$dir/spool/node$i"
-  echo "127.0.0.$((10 + i)) node$i" >> "$dir/hosts"
-  node_lines+="NodeName=node$i NodeHostname=node$i NodeAddr=127.0.0.$((10 + i)) Port=$((17000 + i)) CPUs=$cpus RealMemory=4000 State=UNKNOWN"$'\n'
-done
-mkdir -p "$dir/dev"
-for g in $(seq 0 $((site_gpus - 1))); do
-  [ -e "$dir/dev/gpu$g" ] || mknod "$dir/dev/gpu$g" c 1 3  # like /dev/null
-done
-echo "NodeName=site[1-2] Name=gpu File=$dir/dev/gpu[0-$((site_gpus - 1))]" > "$dir/gres.conf"
-for i in 1 2; do
-  mkdir -p "$dir/spool/site$i"
-  echo "127.0.0.$((20 + i)) site$i" >> "$dir/hosts"
-  node_lines+="NodeName=site$i NodeHostname=site$i NodeAddr=127.0.0.$((20 + i)) Port=$((17020 + i)) CPUs=$site_cpus Gres=gpu:$site_gpus RealMemory=500000 State=UNKNOWN"$'\n'
-done
-cat > "$dir/slurm.conf" <<CONF
-ClusterName=kit-ci
-SlurmdParameters=config_overrides
-GresTypes=gpu
+
+# What every controller shares: munge, no accounting (so no account or QoS is checked), and
+# partition limits enforced at submission, as the real sites do
+common_conf() {  # state directory, controller port, pid file, log file
+  cat <<CONF
 SlurmctldHost=localhost
 SlurmUser=root
 SlurmdUser=root
@@ -69,45 +63,99 @@ AuthType=auth/munge
 AuthInfo=cred_expire=20
 CredType=cred/munge
 MailProg=/bin/true
-SlurmctldPort=6817
-StateSaveLocation=$dir/state
-SlurmdSpoolDir=$dir/spool/%n
-SlurmctldPidFile=$dir/run/slurmctld.pid
-SlurmdPidFile=$dir/run/slurmd.%n.pid
-SlurmctldLogFile=$dir/log/slurmctld.log
-SlurmdLogFile=$dir/log/slurmd.%n.log
+StateSaveLocation=$1
+SlurmctldPort=$2
+SlurmctldPidFile=$3
+SlurmctldLogFile=$4
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 SwitchType=switch/none
 MpiDefault=none
 SelectType=select/cons_tres
-SelectTypeParameters=CR_Core
 SchedulerType=sched/backfill
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 JobCompType=jobcomp/none
+EnforcePartLimits=ALL
+CONF
+}
+
+# --- the debug cluster, where the ci site's jobs run ---
+cp /etc/hosts "$dir/hosts"
+node_lines=""
+for i in $(seq 1 "$nodes"); do
+  mkdir -p "$dir/spool/node$i"
+  echo "127.0.0.$((10 + i)) node$i" >> "$dir/hosts"
+  node_lines+="NodeName=node$i NodeHostname=node$i NodeAddr=127.0.0.$((10 + i)) Port=$((17000 + i)) CPUs=$cpus RealMemory=$memory State=UNKNOWN"$'\n'
+done
+{
+  echo "ClusterName=kit-ci"
+  common_conf "$dir/state" 6817 "$dir/run/slurmctld.pid" "$dir/log/slurmctld.log"
+  cat <<CONF
+# slurmd trusts this file over the hardware: the nodes may be shaped unlike this machine
+SlurmdParameters=config_overrides
+SlurmdSpoolDir=$dir/spool/%n
+SlurmdPidFile=$dir/run/slurmd.%n.pid
+SlurmdLogFile=$dir/log/slurmd.%n.log
+SelectTypeParameters=CR_Core
 ReturnToService=2
 SlurmdTimeout=300
 InactiveLimit=0
 MinJobAge=300
 KillWait=10
 Waittime=0
-${node_lines}PartitionName=debug Nodes=node[1-$nodes] Default=YES MaxTime=INFINITE State=UP OverSubscribe=NO
-PartitionName=sites Nodes=site[1-2] MaxTime=INFINITE State=UP
+${node_lines}PartitionName=debug Nodes=node[1-$nodes] Default=YES MaxTime=$max_time State=UP OverSubscribe=NO
 CONF
-export SLURM_CONF=$dir/slurm.conf
+} > "$dir/slurm.conf"
 
+# --- a copy of each real site's partition, for `sbatch --test-only` only ---
+index=0
+while read -r site partition site_cpus gpus site_memory site_max_time; do
+  [ -n "$site" ] || continue
+  index=$((index + 1))
+  here="$dir/sites/$site"
+  mkdir -p "$here/state"
+  gres=""
+  [ "$gpus" -gt 0 ] && gres="Gres=gpu:$gpus"
+  {
+    echo "ClusterName=$site"
+    common_conf "$here/state" $((6820 + index)) "$dir/run/slurmctld.$site.pid" \
+      "$dir/log/slurmctld.$site.log"
+    cat <<CONF
+GresTypes=gpu
+# memory counts: a job asking for more than a node has is refused
+SelectTypeParameters=CR_Core_Memory
+# cloud nodes that stay powered down: schedulable, never contacted, so no slurmd is needed
+SuspendProgram=/bin/true
+ResumeProgram=/bin/true
+SuspendTime=INFINITE
+NodeName=gpu[1-2] CPUs=$site_cpus $gres RealMemory=$site_memory State=CLOUD
+PartitionName=$partition Nodes=gpu[1-2] Default=YES MaxTime=$site_max_time State=UP
+CONF
+  } > "$here/slurm.conf"
+done <<< "$sites"
+
+export SLURM_CONF=$dir/slurm.conf
 /usr/sbin/slurmctld -f "$SLURM_CONF"
-for name in $(seq -f "node%g" 1 "$nodes") site1 site2; do
-  unshare --uts --mount --fork sh -c "mount --bind '$dir/hosts' /etc/hosts && hostname $name \
-    && exec /usr/sbin/slurmd -f '$SLURM_CONF' -N $name"
+for conf in "$dir"/sites/*/slurm.conf; do
+  [ -e "$conf" ] && /usr/sbin/slurmctld -f "$conf"
+done
+for i in $(seq 1 "$nodes"); do
+  unshare --uts --mount --fork sh -c "mount --bind '$dir/hosts' /etc/hosts && hostname node$i \
+    && exec /usr/sbin/slurmd -f '$SLURM_CONF' -N node$i"
 done
 
 # ready when every node is idle (not "idle*", which means not yet registered)
 for _ in $(seq 150); do
-  [ "$(sinfo -h -N -o %T 2>/dev/null | grep -cx idle)" = "$((nodes + 2))" ] && break
+  [ "$(sinfo -h -N -o %T 2>/dev/null | grep -cx idle)" = "$nodes" ] && break
   sleep 0.2
 done
 timeout 60 srun -N "$nodes" --ntasks-per-node=1 -t 1 hostname | sort | tr '\n' ' ' \
   || { tail -n 30 "$dir"/log/*.log >&2; exit 1; }
+for conf in "$dir"/sites/*/slurm.conf; do  # each site's controller answers
+  [ -e "$conf" ] || continue
+  for _ in $(seq 50); do SLURM_CONF=$conf scontrol ping >/dev/null 2>&1 && break; sleep 0.2; done
+  SLURM_CONF=$conf scontrol ping >/dev/null \
+    || { tail -n 30 "$dir"/log/slurmctld.*.log >&2; exit 1; }
+done
 echo "up: export SLURM_CONF=$SLURM_CONF"
