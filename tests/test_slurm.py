@@ -1,6 +1,11 @@
-"""The ci site's batch files on a real 2-node Slurm cluster (tests/slurm/cluster-up.sh): every file
-passes `sbatch --test-only` and runs to exit 0 with its loss lines; the 2-node jobs really use both
-nodes; a job requeued mid-run resumes from its checkpoint and ends where an uninterrupted run does."""
+"""The batch files on a real Slurm cluster (tests/slurm/cluster-up.sh). The ci site's files pass
+`sbatch --test-only` and run to exit 0 with their loss lines on a 2-node cluster; the 2-node jobs
+really use both nodes; a job stopped mid-run is requeued, resumes from its checkpoint and ends
+where an uninterrupted run does. Every real site's files pass `sbatch --test-only` on a copy of
+that site's partition (its name and time limit; nodes of its cores, GPUs and memory), which
+refuses what the site would refuse for those reasons. Accounts and QoS are not checked: the test
+cluster keeps no accounting (slurmdbd and a database), and the profiles' accounts are
+placeholders an instructor fills in."""
 import json
 import os
 import re
@@ -16,17 +21,39 @@ import pytest
 from coursekit import KIT_ROOT, data, runs, slurm, widgets
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+CI = slurm.load_site("ci")
 CI_FILES = sorted(p.name for p in (KIT_ROOT / "batchfiles" / "ci").glob("*.sh"))
 TRAINING_FILES = [name for name in CI_FILES if name not in ("batch-data.sh", "batch-mlflow-ui.sh")
                   and not name.startswith(("batch-lora", "batch-hpo"))]
 LORA_FILES = [name for name in CI_FILES if name.startswith("batch-lora")]
 HPO_FILES = [name for name in CI_FILES if name.startswith("batch-hpo")]
-HPO_TRIALS = int(re.search(r"--trials (\d+)", slurm.load_site("ci")["hpo_args"]).group(1))
-LORA_STEPS = int(re.search(r"--max-steps (\d+)", slurm.load_site("ci")["finetune_args"]).group(1))
+HPO_TRIALS = int(re.search(r"--trials (\d+)", CI["hpo_args"]).group(1))
+LORA_STEPS = int(re.search(r"--max-steps (\d+)", CI["finetune_args"]).group(1))
 # The ddp stage started by srun, one task per process (the launcher of sites that bind each task
 # to its cores, such as LUMI), generated into the test's folder: 2 nodes x 2 tasks
 SRUN_LAUNCHED = "batch-ddp-2n2g-srun.sh"
-STEPS = int(re.search(r"--max-steps (\d+)", slurm.load_site("ci")["train_args"]).group(1))
+STEPS = int(re.search(r"--max-steps (\d+)", CI["train_args"]).group(1))
+SITES = [site for site in slurm.site_names() if site != "ci"]
+# Job states Slurm keeps for MinJobAge (300 s) once a job has ended: a poll cannot miss them
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
+         "BOOT_FAIL", "DEADLINE", "PREEMPTED")
+
+
+def site_partition(profile):
+    """The partition a site's jobs land in: the one they name, or the site's default."""
+    return profile["partition"] or profile["name"]
+
+
+def cluster_shapes():
+    """What cluster-up.sh builds, from the profiles: the debug nodes as ci describes them, and a
+    line "site partition cores gpus memory max_time" for each real site's copy."""
+    sites = [slurm.load_site(site) for site in SITES]
+    return {"SLURM_CI_CPUS": str(CI["cpus_per_node"]),
+            "SLURM_CI_MEM_MB": str(CI["memory_per_node"]),
+            "SLURM_CI_MAX_TIME": CI["max_time"],
+            "SLURM_CI_SITES": "\n".join(
+                f"{p['name']} {site_partition(p)} {p['cpus_per_node']} {p['gpus_per_node']} "
+                f"{p['memory_per_node']} {p['max_time']}" for p in sites)}
 
 
 @pytest.fixture(scope="session")
@@ -37,7 +64,7 @@ def cluster(tmp_path_factory):
     if not shutil.which("slurmctld") and not shutil.which("apt-get"):
         pytest.skip("Slurm is not installed and there is no apt-get to install it from Debian")
     directory = tmp_path_factory.mktemp("slurm-ci")
-    env = {**os.environ, "SLURM_CI_DIR": str(directory)}
+    env = {**os.environ, "SLURM_CI_DIR": str(directory), **cluster_shapes()}
     up = subprocess.run(["bash", str(KIT_ROOT / "tests" / "slurm" / "cluster-up.sh")], env=env,
                         capture_output=True, text=True, timeout=600)
     assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:]
@@ -53,13 +80,19 @@ def builtin_in_kit():
         data.prepare_builtin(KIT_ROOT / "data" / "builtin", progress=False)
 
 
-def slurm_env(cluster):
-    return {name: value for name, value in cluster.items() if name != "logs"}
+def slurm_env(cluster, conf=None):
+    """The environment of a Slurm command: the test cluster's, or that of a site's copy."""
+    env = {name: value for name, value in cluster.items() if name != "logs"}
+    return {**env, "SLURM_CONF": str(conf)} if conf else env
 
 
 def run_dir(name):
     stage, topology, launcher = re.match(r"batch-(\w+)-(\d+n\d+g)(-srun)?\.sh", name).groups()
     return KIT_ROOT / "runs" / f"ci{launcher or ''}-{stage}-{topology}"
+
+
+def study_dir(name):
+    return KIT_ROOT / "runs" / f"ci-{name.removeprefix('batch-').removesuffix('.sh')}"
 
 
 def batch_file(cluster, name):
@@ -74,26 +107,36 @@ def write_srun_launched(cluster):
         slurm.training_job("ddp", slurm.Topology(2, 2), profile))
 
 
-def submit(cluster, name, wait=True):
-    """sbatch a batch file from the kit's root, its log in the test's folder. With wait, the
-    running `sbatch --wait` (whose exit status is the job's); without, the job id."""
-    log = cluster["logs"] / f"{name}.%j.out"
-    command = ["sbatch", "--parsable", f"--output={log}", *(["--wait"] if wait else []),
-               str(batch_file(cluster, name))]
-    sbatch = subprocess.Popen(command, cwd=KIT_ROOT, env=slurm_env(cluster),
-                              stdout=subprocess.PIPE, text=True)
-    sbatch.job_id = sbatch.stdout.readline().split(";")[0].strip()
-    if wait:
-        return sbatch
-    sbatch.wait(timeout=60)
-    return sbatch.job_id
+def submit(cluster, name, *options, log="{name}.%j.out"):
+    """sbatch a batch file from the kit's root, its log in the test's folder; the job id."""
+    command = ["sbatch", "--parsable", f"--output={cluster['logs']}/{log.format(name=name)}",
+               *options, str(batch_file(cluster, name))]
+    return subprocess.run(command, cwd=KIT_ROOT, env=slurm_env(cluster), capture_output=True,
+                          text=True, check=True).stdout.split(";")[0].strip()
 
 
-def finish(cluster, name, sbatch):
-    """Wait for a submitted job: (exit status, log, `scontrol -d show job` as it ended)."""
-    status = sbatch.wait(timeout=900)
-    log = (cluster["logs"] / f"{name}.{sbatch.job_id}.out").read_text()
-    return status, log, scontrol(cluster, "-d", "show", "job", sbatch.job_id)
+def wait_until(condition, timeout, what):
+    """Poll a condition that stays true once it is (a line in a log, a job that has ended): how
+    often it is polled decides only how soon the test goes on, never whether it passes."""
+    deadline = time.monotonic() + timeout
+    while not (result := condition()):
+        assert time.monotonic() < deadline, f"{what} within {timeout} s"
+        time.sleep(0.2)
+    return result
+
+
+def wait_for_job(cluster, job_id, timeout=900):
+    """Wait until the job (every task of an array) has ended: (exit status, as `sbatch --wait`
+    gives it, and `scontrol -d show job` as it ended). `sbatch --wait` itself looks at 2, 10, 42,
+    74, ... s, which kept each test waiting up to half a minute after its job had ended."""
+    def ended():
+        record = scontrol(cluster, "-d", "show", "job", job_id)
+        states = re.findall(r"\bJobState=(\w+)", record)
+        return record if states and all(state in ENDED for state in states) else None
+
+    record = wait_until(ended, timeout, f"job {job_id} did not end")
+    exits = re.findall(r"\bExitCode=(\d+):(\d+)", record)  # status:signal of each task
+    return max(int(status) if signal == "0" else 1 for status, signal in exits), record
 
 
 def job_state(cluster, job_id):
@@ -105,30 +148,70 @@ def scontrol(cluster, *args):
                           text=True, check=True).stdout
 
 
+def wanted_by(session, fixture, names):
+    """Those of `names` that the session's selected tests using `fixture` will ask for: a test's
+    own (its "name" parameter), or all of them for a test without one."""
+    wanted = set()
+    for item in session.items:
+        if fixture in getattr(item, "fixturenames", ()):
+            own = item.callspec.params.get("name") if hasattr(item, "callspec") else None
+            wanted |= {own} & set(names) if own else set(names)
+    return [name for name in names if name in wanted]
+
+
+class Jobs:
+    """Batch jobs run once a session, each when a test first asks for its result. The first ask
+    submits every job the session's selected tests will want, so that Slurm runs them side by side
+    as its nodes allow; each test then waits for its own job only."""
+
+    def __init__(self, cluster, wanted):
+        self.cluster, self.wanted, self.ids, self.results = cluster, wanted, {}, {}
+
+    def result(self, name):
+        if name not in self.results:
+            for job in (name, *self.wanted):
+                if job not in self.ids:
+                    shutil.rmtree(self.folder(job), ignore_errors=True)
+                    self.ids[job] = self.submit(job)
+            status, record = wait_for_job(self.cluster, self.ids[name])
+            self.results[name] = self.read(name, self.ids[name], status, record)
+        return self.results[name]
+
+    def clean(self):
+        for name in self.ids:
+            shutil.rmtree(self.folder(name), ignore_errors=True)
+
+    folder = staticmethod(run_dir)
+
+    def submit(self, name):
+        return submit(self.cluster, name)
+
+    def read(self, name, job_id, status, record):
+        """(exit status, log, metrics, `scontrol -d show job` as it ended)"""
+        log = (self.cluster["logs"] / f"{name}.{job_id}.out").read_text()
+        return status, log, runs.read_metrics(run_dir(name)), record
+
+
 @pytest.fixture(scope="session")
-def finished(cluster, builtin_in_kit):
-    """Each training file's job, run to the end once:
-    {file: (status, log, metrics, `scontrol -d show job` read as it ended)}."""
+def training(request, cluster, builtin_in_kit):
+    """The ci training jobs and the srun-launched ddp job, each run once, as the tests ask."""
     write_srun_launched(cluster)
-    names = [*TRAINING_FILES, SRUN_LAUNCHED]
-    for name in names:
-        shutil.rmtree(run_dir(name), ignore_errors=True)
-    # all at once: Slurm runs them as its 2 nodes allow, and sbatch's polling overlaps
-    submitted = {name: submit(cluster, name) for name in names}
-    results = {}
-    for name, sbatch in submitted.items():
-        status, log, details = finish(cluster, name, sbatch)
-        results[name] = (status, log, runs.read_metrics(run_dir(name)), details)
-    yield results
-    for name in names:
-        shutil.rmtree(run_dir(name), ignore_errors=True)
+    jobs = Jobs(cluster, wanted_by(request.session, "training", [*TRAINING_FILES, SRUN_LAUNCHED]))
+    yield jobs
+    jobs.clean()
 
 
 @pytest.mark.parametrize("name", CI_FILES)
 def test_batch_file_passes_sbatch_test_only(cluster, name):
-    result = subprocess.run(["sbatch", "--test-only", f"batchfiles/ci/{name}"], cwd=KIT_ROOT,
-                            env=slurm_env(cluster), capture_output=True, text=True)
+    result = sbatch_test_only(cluster, KIT_ROOT / "batchfiles" / "ci" / name)
     assert result.returncode == 0 and "to start at" in result.stderr, result.stderr
+
+
+def sbatch_test_only(cluster, path, site=None, *options):
+    """`sbatch --test-only` of a file on the test cluster, or on the copy of a site's partition."""
+    conf = cluster["logs"] / "sites" / site / "slurm.conf" if site else None
+    return subprocess.run(["sbatch", "--test-only", *options, str(path)], cwd=KIT_ROOT,
+                          env=slurm_env(cluster, conf), capture_output=True, text=True)
 
 
 SITE_FILES = sorted(str(p.relative_to(KIT_ROOT)) for p in KIT_ROOT.glob("batchfiles/*/*.sh")
@@ -136,31 +219,62 @@ SITE_FILES = sorted(str(p.relative_to(KIT_ROOT)) for p in KIT_ROOT.glob("batchfi
 
 
 @pytest.mark.parametrize("path", SITE_FILES)
-def test_real_site_batch_file_passes_sbatch_test_only_on_gpu_shaped_nodes(cluster, path):
-    """The cluster's "sites" partition has nodes of 8 GPUs and 288 cores: every real site's
-    request (nodes, tasks, cores, GPUs in the site's own syntax) must fit them."""
-    result = subprocess.run(["sbatch", "--test-only", "--partition=sites", path], cwd=KIT_ROOT,
-                            env=slurm_env(cluster), capture_output=True, text=True)
+def test_real_site_batch_file_passes_sbatch_test_only_on_a_copy_of_its_partition(cluster, path):
+    """The copy has the site's partition with its time limit, and nodes of the site's cores, GPUs
+    and memory: every request (nodes, tasks, cores, GPUs in the site's own syntax, time) fits."""
+    profile = slurm.load_site(path.split("/")[1])
+    result = sbatch_test_only(cluster, KIT_ROOT / path, profile["name"])
     assert result.returncode == 0 and "to start at" in result.stderr, result.stderr
     nodes = int(re.search(r"--nodes=(\d+)", (KIT_ROOT / path).read_text()).group(1))
-    assert f"on nodes {'site[1-2]' if nodes == 2 else 'site1'}" in result.stderr, result.stderr
+    assert (f"on nodes {'gpu[1-2]' if nodes == 2 else 'gpu1'} "
+            f"in partition {site_partition(profile)}") in result.stderr, result.stderr
+
+
+# A profile with a value its site cannot meet (or a request added at submission), and why the
+# site's scheduler refuses the batch file the generator writes from it
+REFUSED = {
+    "more-gpus-than-a-node": ("leonardo", {"cpus_per_gpu": 4}, slurm.Topology(1, 8), [],
+                              "Requested node configuration is not available"),
+    "more-cores-than-a-node": ("baskerville", {"cpus_per_gpu": 72}, slurm.Topology(1, 4), [],
+                               "Requested node configuration is not available"),
+    "more-cores-over-its-tasks-than-a-node": ("lumi", {"cpus_per_gpu": 8}, slurm.Topology(1, 8), [],
+                                              "Requested node configuration is not available"),
+    "longer-than-the-partition-allows": ("lumi", {"time": "49:00:00"}, slurm.Topology(2, 8), [],
+                                         "Requested time limit is invalid"),
+    "a-partition-the-site-lacks": ("meluxina", {"partition": "gpu-long"}, slurm.Topology(1, 4),
+                                   [], "Invalid partition name specified"),
+    "more-memory-than-a-node": ("leonardo", {}, slurm.Topology(1, 4), ["--mem=500G"],
+                                "Requested node configuration is not available"),
+}
+
+
+@pytest.mark.parametrize("case", REFUSED)
+def test_a_sites_copy_refuses_what_the_site_would(cluster, tmp_path, case):
+    site, change, topology, options, reason = REFUSED[case]
+    path = tmp_path / "batch-ddp.sh"
+    path.write_text(slurm.training_job("ddp", topology, {**slurm.load_site(site), **change}))
+    result = sbatch_test_only(cluster, path, site, *options)
+    assert result.returncode != 0 and reason in result.stderr, result.stderr
 
 
 def test_data_job_prepares_the_corpus(cluster):
-    status, log, _ = finish(cluster, "batch-data.sh", submit(cluster, "batch-data.sh"))
+    job_id = submit(cluster, "batch-data.sh")
+    status, _ = wait_for_job(cluster, job_id)
+    log = (cluster["logs"] / f"batch-data.sh.{job_id}.out").read_text()
     assert status == 0, log[-3000:]
     assert "prepared builtin in data/builtin" in log
     assert data.read_meta(KIT_ROOT / "data" / "builtin")["splits"]["train"]["tokens"] > 500_000
 
 
 def test_mlflow_ui_job_serves_the_tracking_store_on_loopback_only(cluster):
-    job_id = submit(cluster, "batch-mlflow-ui.sh", wait=False)
+    job_id = submit(cluster, "batch-mlflow-ui.sh")
     log = cluster["logs"] / f"batch-mlflow-ui.sh.{job_id}.out"
     try:
         port = int(wait_until(lambda: log.exists() and re.search(r":(\d+) \(127\.0\.0\.1 only\)",
-                                                                 log.read_text()), 120).group(1))
+                                                                 log.read_text()),
+                              120, "the job did not print its port").group(1))
         url = f"http://127.0.0.1:{port}"
-        wait_until(lambda: answers(f"{url}/health"), 180)
+        wait_until(lambda: answers(f"{url}/health"), 180, "the MLflow UI did not answer")
         with urllib.request.urlopen(f"{url}/api/2.0/mlflow/experiments/search?max_results=5") as r:
             assert "experiments" in json.load(r)
         listening = {c.laddr.ip for c in psutil.net_connections("tcp")
@@ -169,16 +283,6 @@ def test_mlflow_ui_job_serves_the_tracking_store_on_loopback_only(cluster):
         assert f"-L {port}:127.0.0.1:{port}" in log.read_text()
     finally:
         subprocess.run(["scancel", job_id], env=slurm_env(cluster), check=True)
-
-
-def wait_until(condition, timeout):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = condition()
-        if result:
-            return result
-        time.sleep(1)
-    raise AssertionError(f"not ready within {timeout} s")
 
 
 def answers(url):
@@ -190,8 +294,8 @@ def answers(url):
 
 
 @pytest.mark.parametrize("name", [*TRAINING_FILES, SRUN_LAUNCHED])
-def test_training_job_finishes_with_its_loss_lines(finished, name):
-    status, log, metrics, job = finished[name]
+def test_training_job_finishes_with_its_loss_lines(training, name):
+    status, log, metrics, job = training.result(name)
     assert status == 0, log[-3000:]
     steps = STEPS
     assert re.search(rf"^step {steps}/{steps} \| loss \d+\.\d+ .* \| val \d+\.\d+$", log,
@@ -206,40 +310,36 @@ def test_training_job_finishes_with_its_loss_lines(finished, name):
     assert f"NodeList={'node[1-2]' if nodes == 2 else 'node'}" in job
 
 
-def test_every_shape_trains_the_same_model(finished):
+def test_every_shape_trains_the_same_model(training):
     """The minibatch is the same whatever the nodes, processes and launcher: so are the losses
     (the 4-process jobs run a smaller micro-batch to keep it)."""
-    losses = {name: [r["loss"] for r in metrics] for name, (_, _, metrics, _) in finished.items()}
+    reference = [r["loss"] for r in training.result("batch-ddp-1n2g.sh")[2]]
     for name in ("batch-std-1n1g.sh", "batch-ddp-1n1g.sh", "batch-ddp-2n1g.sh", "batch-ddp-2n2g.sh",
                  SRUN_LAUNCHED, "batch-fsdp-1n2g.sh", "batch-fsdp-2n1g.sh", "batch-fsdp-2n2g.sh",
                  "batch-lit-1n2g.sh", "batch-lit-2n1g.sh", "batch-lit-2n2g.sh",
                  "batch-tp-1n2g.sh", "batch-tp-2n1g.sh", "batch-tp-2n2g.sh",
                  "batch-pp-1n2g.sh", "batch-pp-2n1g.sh", "batch-pp-2n2g.sh"):
-        assert losses[name] == pytest.approx(losses["batch-ddp-1n2g.sh"], abs=1e-4), name
+        losses = [r["loss"] for r in training.result(name)[2]]
+        assert losses == pytest.approx(reference, abs=1e-4), name
 
 
 @pytest.fixture(scope="session")
-def lora_finished(cluster, builtin_in_kit):
-    """The lora stage's jobs, run to the end once, on the model and tasks `make` prepares."""
+def lora_training(request, cluster, builtin_in_kit):
+    """The lora stage's jobs, each run once, as the tests ask, on the model and tasks `make`
+    prepares."""
     subprocess.run(["make", "models/kit-tiny/config.json", "data/instruct/meta.json"],
                    cwd=KIT_ROOT, check=True, capture_output=True, timeout=900)
-    for name in LORA_FILES:
-        shutil.rmtree(run_dir(name), ignore_errors=True)
-    submitted = {name: submit(cluster, name) for name in LORA_FILES}
-    results = {}
-    for name, sbatch in submitted.items():
-        status, log, details = finish(cluster, name, sbatch)
-        results[name] = (status, log, runs.read_metrics(run_dir(name)), details)
-    yield results
-    for name in LORA_FILES:
-        shutil.rmtree(run_dir(name), ignore_errors=True)
+    jobs = Jobs(cluster, wanted_by(request.session, "lora_training", LORA_FILES))
+    yield jobs
+    jobs.clean()
 
 
-def test_lora_jobs_fine_tune_alike_on_every_shape(lora_finished):
+def test_lora_jobs_fine_tune_alike_on_every_shape(lora_training):
     """`accelerate launch` on 1 and 2 nodes: every job finishes, saves the adapter and the merged
     model, and takes the same steps whatever its shape (no dropout, the same 32 examples)."""
-    reference = [r["loss"] for r in lora_finished["batch-lora-1n1g.sh"][2]]
-    for name, (status, log, metrics, job) in lora_finished.items():
+    reference = [r["loss"] for r in lora_training.result("batch-lora-1n1g.sh")[2]]
+    for name in LORA_FILES:
+        status, log, metrics, job = lora_training.result(name)
         assert status == 0, log[-3000:]
         assert re.search(rf"^step {LORA_STEPS}/{LORA_STEPS} \| loss .* \| exact match", log,
                          re.MULTILINE), log[-3000:]
@@ -253,79 +353,86 @@ def test_lora_jobs_fine_tune_alike_on_every_shape(lora_finished):
 # how a job is stopped mid-run: (what the test does, the signal the training processes get)
 STOPS = {"scontrol-requeue": (["requeue"], "SIGTERM"),
          "time-limit-signal": (None, "SIGUSR1")}  # what --signal=B:USR1@S sends the batch shell
+# The step after which the job is stopped: after the checkpoint of step 3, before the last step.
+# Its processes hold there until the signal reaches them (tests/slurm/hold/sitecustomize.py).
+HOLD_AT = 4
+
+
+def held_at(step):
+    """sbatch's option that makes the job's processes hold after `step` until signalled."""
+    path = os.pathsep.join(filter(None, [str(KIT_ROOT / "tests" / "slurm" / "hold"),
+                                         os.environ.get("PYTHONPATH")]))
+    return f"--export=ALL,PYTHONPATH={path},KIT_HOLD_AT_STEP={step}"
 
 
 @pytest.mark.parametrize("name, how", [("batch-ddp-1n2g.sh", "scontrol-requeue"),
                                        ("batch-ddp-1n2g.sh", "time-limit-signal"),
                                        ("batch-lora-1n2g.sh", "time-limit-signal")])
-def test_stopped_job_is_requeued_and_resumes_like_an_uninterrupted_one(cluster, finished,
-                                                                       lora_finished, name, how):
-    reference = (lora_finished if "lora" in name else finished)[name][2]
+def test_stopped_job_is_requeued_and_resumes_like_an_uninterrupted_one(request, cluster, name,
+                                                                       how):
+    jobs = request.getfixturevalue("lora_training" if "lora" in name else "training")
+    reference = jobs.result(name)[2]  # the uninterrupted run
     steps = LORA_STEPS if "lora" in name else STEPS
     shutil.rmtree(run_dir(name), ignore_errors=True)
-    job_id = submit(cluster, name, wait=False)
-    deadline = time.time() + 600
-    while len(runs.read_metrics(run_dir(name))) < 4:
-        assert time.time() < deadline, "the job did not start training"
-        time.sleep(0.2)
+    job_id = submit(cluster, name, held_at(HOLD_AT))
+    log = cluster["logs"] / f"{name}.{job_id}.out"
+    wait_until(lambda: log.exists() and re.search(rf"^step {HOLD_AT}/{steps} ", log.read_text(),
+                                                  re.MULTILINE), 600, f"no step {HOLD_AT}")
     action, signal_name = STOPS[how]
     if action:
         scontrol(cluster, *action, job_id)  # Slurm stops the job (SIGTERM) and queues it again
     else:  # the batch file's trap passes it on, waits for the checkpoint and requeues
         subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=slurm_env(cluster),
                        check=True)
-    while job_state(cluster, job_id) != "PENDING":
-        assert time.time() < deadline, "the job was not requeued"
-        time.sleep(0.2)
-    # Slurm starts it again once the old run's credentials expire (cred_expire, 20 s on the test
-    # cluster): starting it sooner by hand makes slurmd refuse it and the job fail
-    while job_state(cluster, job_id) in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
-        assert time.time() < deadline, "the requeued job did not finish"
-        time.sleep(0.5)
-    log = (cluster["logs"] / f"{name}.{job_id}.out").read_text()
-    record = scontrol(cluster, "show", "job", job_id)
-    assert "JobState=COMPLETED" in record, log[-4000:] + record
-    stopped = re.search(rf"{signal_name} received: checkpoint saved at step (\d+)", log)
-    assert stopped and 4 <= int(stopped.group(1)) < steps, log[-3000:]
-    assert f"resumed from {run_dir(name).relative_to(KIT_ROOT)}/ckpt/step_{int(stopped.group(1)):08d}" \
-        in log
-    assert "Restarts=1" in record
+    # requeued (Restarts counts it) or ended without: both stay so. Slurm starts it again once
+    # the old run's credentials expire (cred_expire, 20 s on the test cluster): starting it sooner
+    # by hand makes slurmd refuse it and the job fail
+    wait_until(lambda: re.search(rf"Restarts=[1-9]|JobState=({'|'.join(ENDED)}) ",
+                                 scontrol(cluster, "show", "job", job_id)),
+               600, "the job was neither requeued nor ended")
+    status, record = wait_for_job(cluster, job_id)
+    text = log.read_text()
+    assert status == 0 and "JobState=COMPLETED" in record, text[-4000:] + record
+    assert "Restarts=1 " in record, record
+    assert f"{signal_name} received: checkpoint saved at step {HOLD_AT};" in text, text[-3000:]
+    assert f"resumed from {run_dir(name).relative_to(KIT_ROOT)}/ckpt/step_{HOLD_AT:08d}" in text
     got = runs.read_metrics(run_dir(name))
     assert [(r["step"], r["loss"], r.get("val_loss")) for r in got] == \
            [(r["step"], r["loss"], r.get("val_loss")) for r in reference]
 
 
-@pytest.fixture(scope="session")
-def hpo_finished(cluster, builtin_in_kit):
-    """The hpo job arrays, run to the end: one trial per process with the file's 2 array tasks,
-    and 2-node trials with one task (it holds the whole test cluster)."""
-    results = {}
-    for name in HPO_FILES:
-        study_dir = KIT_ROOT / "runs" / f"ci-{name.removeprefix('batch-').removesuffix('.sh')}"
-        shutil.rmtree(study_dir, ignore_errors=True)
+class Studies(Jobs):
+    """The hpo job arrays: one trial per process with the file's 2 array tasks, and 2-node trials
+    with one task (it holds the whole test cluster)."""
+    folder = staticmethod(study_dir)
+
+    def submit(self, name):
         array = [] if name == "batch-hpo-1n1g.sh" else ["--array=0"]
-        sbatch = subprocess.run(["sbatch", "--wait", "--parsable", *array,
-                                 f"--output={cluster['logs']}/{name}.%A_%a.out",
-                                 f"batchfiles/ci/{name}"], cwd=KIT_ROOT, env=slurm_env(cluster),
-                                capture_output=True, text=True, timeout=900)
-        job_id = sbatch.stdout.split(";")[0].strip()
+        return submit(self.cluster, name, *array, log="{name}.%A_%a.out")
+
+    def read(self, name, job_id, status, record):
+        """(exit status, {array task: log}, the study's folder)"""
         logs = {int(p.name.rsplit("_", 1)[1].split(".")[0]): p.read_text()
-                for p in cluster["logs"].glob(f"{name}.{job_id}_*.out")}
-        results[name] = (sbatch.returncode, logs, study_dir)
-    yield results
-    for _, _, study_dir in results.values():
-        shutil.rmtree(study_dir, ignore_errors=True)
+                for p in self.cluster["logs"].glob(f"{name}.{job_id}_*.out")}
+        return status, logs, study_dir(name)
+
+
+@pytest.fixture(scope="session")
+def studies(request, cluster, builtin_in_kit):
+    jobs = Studies(cluster, wanted_by(request.session, "studies", HPO_FILES))
+    yield jobs
+    jobs.clean()
 
 
 @pytest.mark.parametrize("name, tasks, world_size", [("batch-hpo-1n1g.sh", 2, 1),
                                                      ("batch-hpo-2n2g.sh", 1, 4)])
-def test_hpo_array_tasks_are_workers_of_one_study(hpo_finished, name, tasks, world_size):
+def test_hpo_array_tasks_are_workers_of_one_study(studies, name, tasks, world_size):
     import optuna
 
-    status, logs, study_dir = hpo_finished[name]
+    status, logs, study = studies.result(name)
     assert status == 0 and sorted(logs) == list(range(tasks)), logs
     storage = optuna.storages.JournalStorage(
-        optuna.storages.journal.JournalFileBackend(str(study_dir / "journal.log")))
+        optuna.storages.journal.JournalFileBackend(str(study / "journal.log")))
     trials = optuna.load_study(study_name="hpo-tiny", storage=storage).get_trials()
     assert HPO_TRIALS <= len(trials) <= HPO_TRIALS + tasks - 1
     assert [t.number for t in trials] == list(range(len(trials)))
@@ -334,7 +441,7 @@ def test_hpo_array_tasks_are_workers_of_one_study(hpo_finished, name, tasks, wor
     for trial in trials:
         config = runs.read_json(f"{trial.user_attrs['run_dir']}/config.json")
         assert config["world_size"] == world_size
-    assert runs.read_json(study_dir / "best.json")["trials"] == len(trials)
+    assert runs.read_json(study / "best.json")["trials"] == len(trials)
 
 
 def test_the_training_monitor_follows_a_slurm_job_until_it_leaves_the_queue(cluster, builtin_in_kit,
