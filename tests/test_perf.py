@@ -49,4 +49,6 @@ def test_mfu_arithmetic():
 def test_cpu_peak_estimate_bounds_the_measured_matmul():
     estimate = perf.cpu_peak_estimate()
     measured = perf.measure_matmul_flops("cpu")
-    assert estimate is not None and 0.1 * estimate < measured < 1.2 * estimate
+    # An upper bound; the lower one only catches a unit slip (x1000): on a machine shared with
+    # other jobs the matmul gets a small share of the cores (7% was seen under a load of 11).
+    assert estimate is not None and 0.01 * estimate < measured < 1.2 * estimate
