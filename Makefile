@@ -75,8 +75,11 @@ book: setup $(BOOK_JS) $(BUILTIN_DATA) $(INSTRUCT_DATA) $(BASE_MODEL)
 	$(BIN)/jupyter-book build . -W -n --keep-going
 	@echo "The book is in _build/html/index.html"
 
+# Two pytest-xdist workers keep both cores busy while one test waits (on a kernel, a launch, a
+# Slurm job, a browser); tests/conftest.py keeps the lesson executions on one worker and the Slurm
+# tests on one worker.
 test: setup $(BOOK_JS) $(INSTRUCT_DATA) $(BASE_MODEL)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "(unit or diffs) and not slow"

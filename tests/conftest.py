@@ -32,8 +32,24 @@ def builtin_data(tmp_path_factory):
     return out
 
 
-#: Screenshots the browser tests saved in this session, listed at the end of the test output.
-SCREENSHOTS = []
+#: Where the browser tests save screenshots; the ones of this session are listed at the end of
+#: the test output (found on disk: under pytest-xdist, the tests run in other processes).
+SCREENSHOT_DIR = KIT_ROOT / "_build" / "browser"
+SESSION_START = time.time()
+
+#: `make test` runs the suite on 2 pytest-xdist workers (--dist loadgroup). Tests of these
+#: markers stay on one worker: the lesson executions (nbval, the book's build, JupyterLab) write
+#: in the lessons' folders, and the Slurm test cluster is one per machine.
+WORKER_GROUPS = {"notebooks": "lessons", "book": "lessons", "browser": "lessons", "slurm": "slurm"}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(items):
+    for item in items:
+        group = next((WORKER_GROUPS[m.name] for m in item.iter_markers() if m.name in WORKER_GROUPS),
+                     None)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
 
 
 def strict_checks():
@@ -53,13 +69,12 @@ def pytest_runtest_setup(item):
             pytest.skip("no CUDA device")
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item, call):
-    report = yield
+def pytest_runtest_logreport(report):
+    # Under pytest-xdist the main process gets every worker's reports here, with their markers
+    # among the keywords.
     if report.skipped and not hasattr(report, "wasxfail"):  # an expected failure is no skip
-        skips = GPU_SKIPS if item.get_closest_marker("gpu") else OTHER_SKIPS
-        skips.append((item.nodeid, skip_reason(report)))
-    return report
+        skips = GPU_SKIPS if "gpu" in report.keywords else OTHER_SKIPS
+        skips.append((report.nodeid, skip_reason(report)))
 
 
 def pytest_collectreport(report):
@@ -88,9 +103,11 @@ def pytest_terminal_summary(terminalreporter, config):
 
 
 def report_screenshots(terminalreporter):
-    if SCREENSHOTS:
+    saved = sorted(path for path in SCREENSHOT_DIR.glob("*.png")
+                   if path.stat().st_mtime >= SESSION_START)
+    if saved:
         terminalreporter.write_sep("-", "browser screenshots")
-        for path in SCREENSHOTS:
+        for path in saved:
             terminalreporter.write_line(str(path))
 
 

@@ -27,7 +27,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import SCREENSHOTS, debian_tool, free_port, kit_env
+from conftest import SCREENSHOT_DIR, debian_tool, free_port, kit_env
 from PIL import Image
 from selenium import webdriver
 from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
@@ -41,7 +41,6 @@ from coursekit import KIT_ROOT
 # the first book test may be the one that builds the book (conftest.built_book)
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(1800)]
 
-SCREENSHOT_DIR = KIT_ROOT / "_build" / "browser"
 #: The lesson JupyterLab runs from start to end; it shows the batch calculator with its defaults.
 LAB_LESSON = KIT_ROOT / "notebooks" / "01-single-gpu-gpt" / "01-single-gpu-gpt.ipynb"
 
@@ -82,7 +81,6 @@ def screenshot(element, name):
     png = element.screenshot_as_png
     path = SCREENSHOT_DIR / f"{name}.png"
     path.write_bytes(png)
-    SCREENSHOTS.append(path)
     image = Image.open(io.BytesIO(png)).convert("L")
     background = max(image.histogram())  # the most common grey level
     return 1 - background / (image.width * image.height)
