@@ -41,12 +41,6 @@ def test_builtin_corpus_is_big_enough_and_well_formed(builtin_data):
         assert hashlib.sha256((builtin_data / name).read_bytes()).hexdigest() == digest
 
 
-@pytest.mark.slow  # a second build of the corpus: half a minute on two cores
-def test_builtin_corpus_is_deterministic(builtin_data, tmp_path):
-    again = data.prepare_builtin(tmp_path, progress=False)
-    assert again["manifest"] == data.read_meta(builtin_data)["manifest"]
-
-
 def split_tokens(directory, split):
     return np.concatenate([np.load(p) for p in sorted(directory.glob(f"{split}_*.npy"))])
 
