@@ -7,7 +7,7 @@ import jupytext
 import nbformat
 import pytest
 
-from coursekit import KIT_ROOT, grading
+from coursekit import KIT_ROOT, KitError, grading
 
 pytestmark = pytest.mark.grading
 LESSONS = grading.lessons(KIT_ROOT)
@@ -83,7 +83,12 @@ def graded(course, tmp_path_factory):
             for student, notebook in notebooks.items():
                 paths[student] = folder / f"{student}.ipynb"
                 nbformat.write(notebook, paths[student])
-            results[lesson] = exercises(source), grading.autograde(course, lesson, paths)
+            try:
+                results[lesson] = exercises(source), grading.autograde(course, lesson, paths)
+            except KitError as failure:  # nbgrader failed: every test of the lesson reports it
+                results[lesson] = failure
+        if isinstance(results[lesson], KitError):
+            raise results[lesson]
         return results[lesson]
 
     return grade

@@ -42,7 +42,7 @@
 # background, as you would submit a batch job and read while it waits and runs. The section "The
 # real study" explains every flag and reads what it wrote.
 
-# %% tags=["demo"]
+# %%
 import os
 import shutil
 import subprocess
@@ -61,6 +61,8 @@ if globals().get("study_job") is not None and study_job.poll() is None:
 RUNS = Path("runs")  # everything this lesson writes: the study, its trials, a copy
 shutil.rmtree(RUNS, ignore_errors=True)  # a fresh study each time the lesson runs
 RUNS.mkdir()
+
+# %% tags=["demo"]
 STUDY = (RUNS / "study").resolve()  # the journal, the trials' run directories, the results
 STUDY_COMMAND = [sys.executable, KIT_ROOT / "solutions" / "hpo_optuna.py", "--preset", "tiny",
                  "--data", DATA, "--study-dir", STUDY, "--trials", 5, "--workers", 2,
