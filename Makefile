@@ -79,7 +79,7 @@ book: setup $(BOOK_JS) $(BUILTIN_DATA) $(INSTRUCT_DATA) $(BASE_MODEL)
 # Slurm job, a browser); tests/conftest.py keeps the lesson executions on one worker and the Slurm
 # tests on one worker.
 test: setup $(BOOK_JS) $(INSTRUCT_DATA) $(BASE_MODEL)
-	$(BIN)/python -m pytest -n 2 --dist loadgroup
+	$(BIN)/python -m pytest -n 2
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "(unit or diffs) and not slow"

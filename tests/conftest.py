@@ -37,19 +37,24 @@ def builtin_data(tmp_path_factory):
 SCREENSHOT_DIR = KIT_ROOT / "_build" / "browser"
 SESSION_START = time.time()
 
-#: `make test` runs the suite on 2 pytest-xdist workers (--dist loadgroup). Tests of these
-#: markers stay on one worker: the lesson executions (nbval, the book's build, JupyterLab) write
-#: in the lessons' folders, and the Slurm test cluster is one per machine.
-WORKER_GROUPS = {"notebooks": "lessons", "book": "lessons", "browser": "lessons", "slurm": "slurm"}
+#: `make test` runs the suite on 2 pytest-xdist workers. The tests of these files stay on one
+#: worker: the lesson executions (nbval, the book's build, JupyterLab) write in the lessons'
+#: folders, and the Slurm test cluster is one per machine. Every other test goes where a worker
+#: is free.
+WORKER_GROUPS = {"tests/test_notebooks.py": "lessons", "tests/test_book.py": "lessons",
+                 "tests/test_browser.py": "lessons", "tests/test_slurm.py": "slurm"}
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
-def pytest_collection_modifyitems(items):
-    for item in items:
-        group = next((WORKER_GROUPS[m.name] for m in item.iter_markers() if m.name in WORKER_GROUPS),
-                     None)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
+def pytest_xdist_make_scheduler(config, log):
+    # pytest-xdist's own --dist loadgroup cannot be used: it renames the tests' node ids, which
+    # pytest 9 no longer takes, so its groups are silently ignored.
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid):
+            return WORKER_GROUPS.get(nodeid.split("::")[0], nodeid)
+
+    return GroupScheduling(config, log)
 
 
 def strict_checks():
