@@ -83,7 +83,9 @@ def test_killed_run_resumes_from_its_checkpoint_like_an_uninterrupted_one(builti
     os.killpg(job.pid, signal.SIGKILL)
     returncode, _ = interrupt.finish(job, lines)
     assert returncode == -signal.SIGKILL
-    assert [r["step"] for r in runs.read_metrics(tmp_path)][-1] >= 13
+    # the step line is printed before its metrics record is appended: the kill can beat that
+    # write, never the one of the step before
+    assert [r["step"] for r in runs.read_metrics(tmp_path)][-1] >= 12
     assert (tmp_path / "ckpt" / "last.ckpt").resolve().name == "step_00000010.ckpt"
 
     resumed = run_lit(*command[2:], "--resume")

@@ -129,10 +129,13 @@ def test_resume_after_interruption_is_identical(builtin_data, tmp_path, std_twen
                             "--ckpt-interval", ckpt_interval)
     returncode, output = interrupt_at(at, how, command)
     stopped_at = runs.read_metrics(tmp_path)[-1]["step"]
-    assert stopped_at >= at
     if how == signal.SIGKILL:
+        # the step line is printed before its metrics record is appended: a kill right after the
+        # line can beat that write, never the one of the step before
+        assert stopped_at >= at - 1
         assert returncode == -signal.SIGKILL and runs.load_checkpoint(tmp_path)[0] == 10
     else:  # the Slurm pre-emption signals: checkpoint, say so, exit 0 for the requeue
+        assert stopped_at >= at
         assert returncode == 0, output[-3000:]
         assert f"{how.name} received: checkpoint saved at step {stopped_at}" in output
         assert stopped_at < 20 and runs.load_checkpoint(tmp_path)[0] == stopped_at
