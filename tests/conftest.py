@@ -39,8 +39,8 @@ SESSION_START = time.time()
 
 #: `make test` runs the suite on 2 pytest-xdist workers. The tests of these files stay on one
 #: worker: the lesson executions (nbval, the book's build, JupyterLab) write in the lessons'
-#: folders, and the Slurm test cluster is one per machine. Every other test goes where a worker
-#: is free.
+#: folders, and the Slurm test cluster is one per machine. Every other test file goes whole to
+#: whichever worker is free, so that its module fixtures (a training run) run once.
 WORKER_GROUPS = {"tests/test_notebooks.py": "lessons", "tests/test_book.py": "lessons",
                  "tests/test_browser.py": "lessons", "tests/test_slurm.py": "slurm"}
 
@@ -52,7 +52,7 @@ def pytest_xdist_make_scheduler(config, log):
 
     class GroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid):
-            return WORKER_GROUPS.get(nodeid.split("::")[0], nodeid)
+            return WORKER_GROUPS.get(nodeid.split("::")[0], super()._split_scope(nodeid))
 
     return GroupScheduling(config, log)
 
