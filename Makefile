@@ -65,7 +65,7 @@ $(INSTRUCT_DATA): $(INSTALLED)
 # The pretrained model lesson 05 fine-tunes: the std stage's tiny run, in Hugging Face format.
 $(BASE_MODEL): $(BUILTIN_DATA)
 	$(BIN)/python solutions/train_gpt2_std.py --preset tiny --data data/builtin --out runs/base-tiny \
-	  --sample-tokens 0 --resume
+	  --resume
 	$(BIN)/python -m coursekit export-hf runs/base-tiny models/kit-tiny --force --untie
 
 # Execute every lesson (cached in _build/.jupyter_cache: unchanged lessons are not re-run) and
@@ -75,9 +75,9 @@ book: setup $(BOOK_JS) $(BUILTIN_DATA) $(INSTRUCT_DATA) $(BASE_MODEL)
 	$(BIN)/jupyter-book build . -W -n --keep-going
 	@echo "The book is in _build/html/index.html"
 
-# Two pytest-xdist workers keep both cores busy while one test waits (on a kernel, a launch, a
-# Slurm job, a browser); tests/conftest.py keeps the lesson executions on one worker and the Slurm
-# tests on one worker.
+# Two pytest-xdist workers of one thread each keep both cores busy (tests/conftest.py: nbval's
+# lessons on one worker while the book builds a copy of them on the other, the Slurm tests on one,
+# the longest files first).
 test: setup $(BOOK_JS) $(INSTRUCT_DATA) $(BASE_MODEL)
 	$(BIN)/python -m pytest -n 2
 

@@ -153,13 +153,18 @@ def scaling_table(times, serial_fraction, max_processes):
             f"{figure_html(fig)}")
 
 
+SERIAL_FRACTION_STEP = 0.001  # 0.1%
+
+
 def scaling_calculator(times=None, max_processes=64):
     """Speedup, efficiency and Amdahl's curve. ``times`` = {processes: seconds for the same job},
     measured; the serial-fraction slider starts at the Karp-Flatt fit of the measured runs."""
     measured = [r[4] for r in scaling.measured_scaling(times)[1:]] if times else []
     start = min(max(sum(measured) / len(measured), 0.0), 0.5) if measured else 0.05
+    # on the slider's steps: a browser's slider snaps any other value to one and sends it back
+    start = round(start / SERIAL_FRACTION_STEP) * SERIAL_FRACTION_STEP
     controls = {
-        "serial_fraction": w.FloatSlider(value=start, min=0.0, max=0.5, step=0.005,
+        "serial_fraction": w.FloatSlider(value=start, min=0.0, max=0.5, step=SERIAL_FRACTION_STEP,
                                          readout_format=".1%", description="serial fraction"),
         "max_processes": w.IntSlider(value=max_processes, min=2, max=1024, description="processes"),
     }

@@ -16,6 +16,15 @@ from pathlib import Path
 
 import pytest
 
+# `make test` runs two pytest-xdist workers on a 2-core machine. PyTorch starts one thread per core
+# in every process, so two workers' lessons and runs would keep four or more busy threads on two
+# cores, which wait for each other: a pair of lessons took 136 s side by side that way and 106 s
+# with one thread each (and a third less CPU time). So each worker, and every kernel, stage run
+# and job it starts, uses one thread, as torchrun gives its processes; set before torch loads.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("MKL_NUM_THREADS", "1")
+
 from coursekit import KIT_ROOT, data
 
 
@@ -38,11 +47,24 @@ SCREENSHOT_DIR = KIT_ROOT / "_build" / "browser"
 SESSION_START = time.time()
 
 #: `make test` runs the suite on 2 pytest-xdist workers. The tests of these files stay on one
-#: worker: the lesson executions (nbval, the book's build, JupyterLab) write in the lessons'
-#: folders, and the Slurm test cluster is one per machine. Every other test file goes whole to
-#: whichever worker is free, so that its module fixtures (a training run) run once.
-WORKER_GROUPS = {"tests/test_notebooks.py": "lessons", "tests/test_book.py": "lessons",
-                 "tests/test_browser.py": "lessons", "tests/test_slurm.py": "slurm"}
+#: worker: the book and the browser tests share one build (built_book), and the Slurm test cluster
+#: is one per machine. Every other test file goes whole to whichever worker is free, so that its
+#: module fixtures (a training run) run once: nbval's lessons (test_notebooks) on one worker,
+#: while the book builds on the other.
+WORKER_GROUPS = {"tests/test_book.py": "book", "tests/test_browser.py": "book",
+                 "tests/test_slurm.py": "slurm"}
+
+
+#: The longest files, started first so that the short ones fill in around them at the end.
+LONGEST_FIRST = ("tests/test_book.py", "tests/test_browser.py", "tests/test_notebooks.py",
+                 "tests/test_slurm.py")
+
+
+def pytest_collection_modifyitems(items):
+    def rank(item):
+        path = item.nodeid.split("::")[0]
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+    items.sort(key=rank)  # stable: each file keeps its own order
 
 
 def pytest_xdist_make_scheduler(config, log):
@@ -54,6 +76,8 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid):
             return WORKER_GROUPS.get(nodeid.split("::")[0], super()._split_scope(nodeid))
 
+    # in the order of collection (LONGEST_FIRST), not xdist's default of the most tests first
+    config.option.loadscopereorder = False
     return GroupScheduling(config, log)
 
 
@@ -136,15 +160,32 @@ def pytest_addoption(parser):
                      "example _build/html after `make book`) instead of building one cold")
 
 
+#: What `jupyter-book build` reads: the configuration, the prose chapters, the lessons, and the
+#: batch files a chapter includes (book/cluster.md).
+BOOK_SOURCES = ("_config.yml", "_toc.yml", "book", "notebooks", "batchfiles")
+
+
 @pytest.fixture(scope="session")
 def built_book(tmp_path_factory, request):
-    """The HTML book from a cold build (no execution cache) into a temporary folder, exactly as
-    `make book` runs it; built once for the book and the browser tests."""
+    """The HTML book from a cold build (no execution cache), with `make book`'s command; built
+    once for the book and the browser tests.
+
+    It builds a copy of the book's sources, so that the lessons it executes write their runs in
+    the copy's lesson folders: nbval executes the same lessons in their own folders at the same
+    time, on the other worker. The lessons find the kit (data, stage scripts, models) through
+    coursekit, as from any folder."""
     if request.config.getoption("--built-book"):
         return Path(request.config.getoption("--built-book")).resolve()
+    source = tmp_path_factory.mktemp("book-source")
+    for name in BOOK_SOURCES:
+        if (KIT_ROOT / name).is_dir():
+            shutil.copytree(KIT_ROOT / name, source / name,
+                            ignore=shutil.ignore_patterns("runs", "train_gpt2.py", "__pycache__"))
+        else:
+            shutil.copy(KIT_ROOT / name, source / name)
     out = tmp_path_factory.mktemp("book")
     start = time.perf_counter()
-    result = subprocess.run([str(Path(sys.executable).parent / "jupyter-book"), "build", str(KIT_ROOT),
+    result = subprocess.run([str(Path(sys.executable).parent / "jupyter-book"), "build", str(source),
                              "-W", "-n", "--keep-going", "--path-output", str(out)],
                             capture_output=True, text=True, timeout=1500)
     print(f"cold book build: {time.perf_counter() - start:.0f} s")
@@ -274,7 +315,23 @@ def std_twenty_steps(builtin_data, tmp_path_factory):
     result = run_stage("train_gpt2_std.py", *TWENTY_STEPS, "--data", builtin_data, "--out", out,
                        env=kit_env(ONE_THREAD))
     assert result.returncode == 0, result.stderr[-3000:]
+    out.with_suffix(".stdout").write_text(result.stdout)
     return out
+
+
+def std_stdout(run_dir):
+    """What the std_twenty_steps run printed."""
+    return run_dir.with_suffix(".stdout").read_text()
+
+
+@pytest.fixture(scope="session")
+def base_run():
+    """The std stage's full tiny run as `make book` trains it (300 steps, the pretrained model of
+    lesson 05): made by `make` before the tests and the lessons (the Makefile's BASE_MODEL), here
+    too if it is missing. Its run directory, runs/base-tiny; tests only read it."""
+    subprocess.run(["make", "models/kit-tiny/config.json"], cwd=KIT_ROOT, check=True,
+                   capture_output=True, timeout=900)
+    return KIT_ROOT / "runs" / "base-tiny"
 
 
 @pytest.fixture(scope="session")

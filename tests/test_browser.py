@@ -5,7 +5,7 @@ with Selenium): what a reader and a trainee see.
   a lesson's widget renders from the site's own JavaScript (its DOM is there and its screenshot is
   not blank); the search page finds a glossary term.
 - JupyterLab on 127.0.0.1 with a token: a lesson (LAB_LESSON) opens, runs all its cells with no
-  error output, and moving a slider of its batch calculator changes what the calculator shows.
+  error output, and moving a slider of its scaling calculator changes what the calculator shows.
 
 Every wait is for a state of the page (loaded, widgets rendered, formulas typeset, fonts loaded, a
 cell's output changed), never for a length of time.
@@ -41,8 +41,9 @@ from coursekit import KIT_ROOT
 # the first book test may be the one that builds the book (conftest.built_book)
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(1800)]
 
-#: The lesson JupyterLab runs from start to end; it shows the batch calculator with its defaults.
-LAB_LESSON = KIT_ROOT / "notebooks" / "01-single-gpu-gpt" / "01-single-gpu-gpt.ipynb"
+#: The lesson JupyterLab runs from start to end, its third execution in a test run (after nbval and
+#: the book's build): the shortest lesson (about 10 s), whose scaling calculator shows a widget.
+LAB_LESSON = KIT_ROOT / "notebooks" / "00-gpus-and-hpc" / "00-gpus-and-hpc.ipynb"
 
 
 @pytest.fixture(scope="module")
@@ -222,9 +223,12 @@ return notebook.widgets.filter(cell => cell.model.type === 'code').map(cell => (
 """
 
 
-# The batch calculator's output with its defaults (GPT-2 124M: micro-batch 64 x 8 accumulation
-# steps x 1024 tokens), and after one step right on the micro-batch slider (65 x 8 x 1024).
-CALCULATOR_DEFAULT, CALCULATOR_MOVED = "524,288 tokens per step", "532,480 tokens per step"
+# The lesson's scaling calculator, for a job of 80 h on 1 GPU and 22 h on 4: by hand, the
+# Karp-Flatt serial fraction is (22/80 - 1/4) / (1 - 1/4) = 1/30, 3.3% on the slider's 0.1% steps,
+# so Amdahl's limit is 1/0.033 = 30.3 and the speedup on 64 processes 1 / (0.033 + 0.967/64) =
+# 20.8; one step right on the processes slider gives 65 processes, 1 / (0.033 + 0.967/65) = 20.9.
+CALCULATOR_DEFAULT = ("speedup on 64 processes: 20.8", "limit with any number: 30.3")
+CALCULATOR_MOVED = "speedup on 65 processes: 20.9"
 
 
 def test_jupyterlab_runs_the_lesson_and_its_calculator_answers_a_slider(browser, lab):
@@ -253,18 +257,19 @@ def test_jupyterlab_runs_the_lesson_and_its_calculator_answers_a_slider(browser,
     def calculator_output(driver):  # the kernel is idle before the front end renders its widgets
         for box in driver.find_elements(By.CSS_SELECTOR, ".widget-vbox"):
             shown = box.find_elements(By.CSS_SELECTOR, ".widget-html")
-            if shown and "tokens per step" in shown[0].text:
+            if shown and "speedup on" in shown[0].text:
                 return box
         return None
 
-    calculator = wait_for(browser, calculator_output, 60, "the batch calculator did not render")
+    calculator = wait_for(browser, calculator_output, 60, "the scaling calculator did not render")
     browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", calculator)
     shown = calculator.find_element(By.CSS_SELECTOR, ".widget-html").text
-    assert CALCULATOR_DEFAULT in shown
-    handle = calculator.find_elements(By.CSS_SELECTOR, ".widget-slider .noUi-handle")[0]
-    handle.click()
-    handle.send_keys(Keys.ARROW_RIGHT)  # micro-batch 64 -> 65
+    assert all(text in shown for text in CALCULATOR_DEFAULT), shown
+    # the second slider (the first is the serial fraction)
+    processes = calculator.find_elements(By.CSS_SELECTOR, ".widget-slider .noUi-handle")[1]
+    processes.click()
+    processes.send_keys(Keys.ARROW_RIGHT)  # 64 -> 65
     wait_for(browser, lambda d: calculator.find_element(By.CSS_SELECTOR, ".widget-html").text != shown,
-             30, "moving the micro-batch slider did not change the calculator's output")
+             30, "moving the processes slider did not change the calculator's output")
     assert CALCULATOR_MOVED in calculator.find_element(By.CSS_SELECTOR, ".widget-html").text
-    screenshot(calculator, "lab-batch-calculator")
+    screenshot(calculator, "lab-scaling-calculator")

@@ -22,11 +22,8 @@ SHORT = ["--max-steps", 4, "--eval-interval", 2, "--eval-examples", 8, "--ckpt-i
 
 
 @pytest.fixture(scope="module")
-def base_model():
-    """The tiny GPT the std stage pretrains for 300 steps, exported untied: made by `make` before
-    the tests and the lessons (the Makefile's BASE_MODEL), here too if it is missing."""
-    subprocess.run(["make", "models/kit-tiny/config.json"], cwd=KIT_ROOT, check=True,
-                   capture_output=True, timeout=900)
+def base_model(base_run):
+    """The tiny GPT the std stage pretrains for 300 steps (conftest's base_run), exported untied."""
     return KIT_ROOT / "models" / "kit-tiny"
 
 

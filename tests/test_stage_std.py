@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ONE_THREAD, TWENTY_STEPS, kit_env, run_stage, stage_command
+from conftest import ONE_THREAD, TWENTY_STEPS, kit_env, run_stage, stage_command, std_stdout
 from coursekit import runs, stages
 from helpers import interrupt
 
@@ -20,17 +20,8 @@ LN_VOCAB = math.log(50304)
 std = stages.load("std")
 
 
-@pytest.fixture(scope="module")
-def tiny_run(builtin_data, tmp_path_factory):
-    """The tiny preset's full default run, as `make book` trains it."""
-    out = tmp_path_factory.mktemp("tiny") / "run"
-    result = run_stage(SCRIPT, "--preset", "tiny", "--data", builtin_data, "--out", out)
-    assert result.returncode == 0, result.stderr
-    return out, result.stdout
-
-
-def test_tiny_loss_falls_below_60_percent_of_ln_vocab(tiny_run):
-    out, stdout = tiny_run
+def test_tiny_loss_falls_below_60_percent_of_ln_vocab(base_run):
+    out = base_run
     metrics = runs.read_metrics(out)
     assert [r["step"] for r in metrics] == list(range(1, 301))
     assert abs(metrics[0]["loss"] - LN_VOCAB) < 0.3  # an untrained model guesses uniformly
@@ -39,20 +30,20 @@ def test_tiny_loss_falls_below_60_percent_of_ln_vocab(tiny_run):
     assert sum(r["loss"] for r in metrics[-20:]) / 20 <= 0.6 * LN_VOCAB
 
 
-def test_every_step_prints_one_parseable_line_matching_metrics(tiny_run):
-    out, stdout = tiny_run
+def test_every_step_prints_one_parseable_line_matching_metrics(std_twenty_steps):
+    out, stdout = std_twenty_steps, std_stdout(std_twenty_steps)
     lines = [STEP_LINE.match(line) for line in stdout.splitlines() if line.startswith("step ")]
     metrics = runs.read_metrics(out)
-    assert len(lines) == len(metrics) == 300
+    assert len(lines) == len(metrics) == 20
     for match, record in zip(lines, metrics, strict=True):
-        assert int(match[1]) == record["step"] and match[2] == "300"
+        assert int(match[1]) == record["step"] and match[2] == "20"
         assert float(match[3]) == pytest.approx(record["loss"], abs=5e-5)
         assert float(match[8]) / 100 == pytest.approx(record["mfu"], abs=5e-4)
         assert record["tok_per_s"] > 0 and record["ms"] > 0
 
 
-def test_terminology_identity_is_printed_and_recorded(tiny_run):
-    out, stdout = tiny_run
+def test_terminology_identity_is_printed_and_recorded(std_twenty_steps):
+    out, stdout = std_twenty_steps, std_stdout(std_twenty_steps)
     config = runs.read_json(out / "config.json")
     args = config["args"]
     assert args["micro_batch"] * config["grad_accum"] * args["seq_len"] == args["batch_tokens"]
@@ -61,11 +52,14 @@ def test_terminology_identity_is_printed_and_recorded(tiny_run):
     assert (f"{args['max_steps']:,} steps x {args['batch_tokens']:,} tokens = "
             f"{args['max_steps'] * args['batch_tokens']:,} tokens") in stdout
     assert "microbatch = 4 samples | grad_accum = 2" in stdout
-    assert (out / "sample.txt").read_text().startswith("The")
 
 
-def test_checkpoint_is_safetensors_and_json_and_reproduces_the_model(tiny_run, builtin_data):
-    out, _ = tiny_run
+def test_the_full_run_ends_with_a_sample_from_the_prompt(base_run):
+    assert (base_run / "sample.txt").read_text().startswith("The")
+
+
+def test_checkpoint_is_safetensors_and_json_and_reproduces_the_model(base_run, builtin_data):
+    out = base_run
     ckpt = runs.latest_checkpoint(out)
     assert ckpt.name == "step_00000300"
     assert sorted(p.name for p in ckpt.iterdir()) == ["state.json", "tensors.safetensors"]
@@ -303,8 +297,8 @@ def test_missing_data_says_how_to_prepare_it(tmp_path, capsys):
     assert prepare in stderr
 
 
-def test_existing_run_is_not_overwritten_without_resume(tiny_run, builtin_data):
-    out, _ = tiny_run
+def test_existing_run_is_not_overwritten_without_resume(std_twenty_steps, builtin_data):
+    out = std_twenty_steps
     before = (out / "metrics.jsonl").read_bytes()
     result = run_stage(SCRIPT, "--preset", "tiny", "--data", builtin_data, "--out", out)
     assert result.returncode == 2 and "already holds a checkpoint: pass --resume" in result.stderr

@@ -104,6 +104,13 @@ def test_the_scaling_calculator_starts_at_the_serial_fraction_of_the_measured_ru
     assert "limit with any number: <b>20.0</b>" in shown.value
 
 
+def test_the_scaling_calculator_starts_on_a_step_of_its_slider():
+    # Karp-Flatt of 80 h on 1 GPU and 22 h on 4: (22/80 - 1/4) / (1 - 1/4) = 1/30, which a
+    # browser's slider would snap to its 0.1% steps (and send back): the calculator starts there
+    fraction = widgets.scaling_calculator({1: 80, 4: 22}).children[0]
+    assert fraction.value == pytest.approx(0.033, abs=1e-12)
+
+
 def test_the_batchfile_builder_shows_the_committed_file():
     box = widgets.batchfile_builder(site="ci", stage="ddp")
     settings = controls(box)
