@@ -1,6 +1,7 @@
 # The course kit's commands. Every target sets itself up on a fresh machine: it creates .venv,
 # installs requirements*.txt and the coursekit package, and fetches the GPT-2 tokenizer files.
 #   make book        execute the lessons and build the HTML book (the main job)
+#   make book-instructor   the same book with the exercises' solutions and hidden tests
 #   make test        the whole test suite          make test-fast   unit + diff tests (< 2 min)
 #   make lab         JupyterLab with the course kernel on 127.0.0.1
 #   make assignments nbgrader student versions of every lesson into release/
@@ -24,7 +25,7 @@ HTML_MANAGER := @jupyter-widgets/html-manager@1.0.15
 REQUIREJS := requirejs@2.3.8
 MATHJAX := mathjax@3.2.2
 
-.PHONY: setup book test test-fast lab assignments clean
+.PHONY: setup book book-instructor test test-fast lab assignments clean
 
 setup: $(INSTALLED) $(TOKENIZER)
 
@@ -69,11 +70,15 @@ $(BASE_MODEL): $(BUILTIN_DATA)
 	$(BIN)/python -m coursekit export-hf runs/base-tiny models/kit-tiny --force --untie
 
 # Execute every lesson (cached in _build/.jupyter_cache: unchanged lessons are not re-run) and
-# build the HTML book with warnings as errors.
-book: setup $(BOOK_JS) $(BUILTIN_DATA) $(INSTRUCT_DATA) $(BASE_MODEL)
+# build the HTML book with warnings as errors. The reader's edition (published) shows exercises as
+# students get them; the instructor's edition shows solutions and hidden tests (coursekit/book.py).
+BOOK_INPUTS := setup $(BOOK_JS) $(BUILTIN_DATA) $(INSTRUCT_DATA) $(BASE_MODEL)
+book: $(BOOK_INPUTS)
 	$(BIN)/python -m coursekit envcheck
-	$(BIN)/jupyter-book build . -W -n --keep-going
-	@echo "The book is in _build/html/index.html"
+	$(BIN)/python -m coursekit book --edition reader
+
+book-instructor: $(BOOK_INPUTS)
+	$(BIN)/python -m coursekit book --edition instructor
 
 # Two pytest-xdist workers of one thread each keep both cores busy (tests/conftest.py: nbval's
 # lessons on one worker while the book builds a copy of them on the other, the Slurm tests on one,

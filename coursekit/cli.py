@@ -6,6 +6,7 @@
     data prepare --source fineweb-edu --out DIR --shards N [--sample-file F]
     presets                                    the model and batch sizes of each preset
     assignments [--root DIR]                   nbgrader student versions of every lesson
+    book [--edition reader|instructor]         execute the lessons and build an edition of the book
     diffs build | check                        write / verify diffs/*.patch from solutions/
     diffs start | status --lesson L [--file F] a lesson's working copy, hunk by hunk
     diffs apply --lesson L --hunk N            apply one hunk to the working copy
@@ -90,6 +91,11 @@ def build_parser():
 
     assignments = commands.add_parser("assignments", help="nbgrader student versions of the lessons")
     assignments.add_argument("--root", default=None, help="course root (default: the kit's checkout)")
+
+    book_cmd = commands.add_parser("book", help="execute the lessons and build the book")
+    book_cmd.add_argument("--edition", choices=["reader", "instructor"], default="reader",
+                          help="reader: exercises as students get them (published); instructor: "
+                               "with solutions and hidden tests")
 
     diffs_cmd = commands.add_parser("diffs", help="the diffs between stages; a lesson's working copy")
     diffs_cmd.add_argument("action", choices=["build", "check", "start", "status", "apply"])
@@ -177,6 +183,12 @@ def run_assignments(args):
     print(f"student versions of {len(names)} lessons in {release}: {', '.join(names)}")
 
 
+def run_book(args):
+    from coursekit import book
+    html = book.build(args.edition)
+    print(f"The {args.edition}'s edition of the book is in {html}/index.html")
+
+
 def run_diffs(args):
     """build/check/start print and return 0 or 1; status returns 1 until every hunk is applied."""
     from coursekit import diffs
@@ -260,7 +272,7 @@ def run_registry(args):
 
 
 COMMANDS = {"envcheck": run_envcheck, "tokenizer": run_tokenizer, "data": run_data,
-            "presets": run_presets, "assignments": run_assignments, "diffs": run_diffs,
+            "presets": run_presets, "assignments": run_assignments, "book": run_book, "diffs": run_diffs,
             "batchfiles": run_batchfiles, "export-hf": run_export_hf, "instruct": run_instruct,
             "verify-data": run_verify_data, "registry": run_registry}
 

@@ -47,8 +47,8 @@ SCREENSHOT_DIR = KIT_ROOT / "_build" / "browser"
 SESSION_START = time.time()
 
 #: `make test` runs the suite on 2 pytest-xdist workers. The tests of these files stay on one
-#: worker: the book and the browser tests share one build (built_book), and the Slurm test cluster
-#: is one per machine. Every other test file goes whole to whichever worker is free, so that its
+#: worker: the book and the browser tests share one execution of the lessons and the two editions
+#: built from it (built_book, instructor_book), and the Slurm test cluster is one per machine. Every other test file goes whole to whichever worker is free, so that its
 #: module fixtures (a training run) run once: nbval's lessons (test_notebooks) on one worker,
 #: while the book builds on the other.
 WORKER_GROUPS = {"tests/test_book.py": "book", "tests/test_browser.py": "book",
@@ -160,37 +160,44 @@ def pytest_addoption(parser):
                      "example _build/html after `make book`) instead of building one cold")
 
 
-#: What `jupyter-book build` reads: the configuration, the prose chapters, the lessons, and the
-#: batch files a chapter includes (book/cluster.md).
-BOOK_SOURCES = ("_config.yml", "_toc.yml", "book", "notebooks", "batchfiles")
-
-
 @pytest.fixture(scope="session")
-def built_book(tmp_path_factory, request):
-    """The HTML book from a cold build (no execution cache), with `make book`'s command; built
-    once for the book and the browser tests.
-
-    It builds a copy of the book's sources, so that the lessons it executes write their runs in
-    the copy's lesson folders: nbval executes the same lessons in their own folders at the same
-    time, on the other worker. The lessons find the kit (data, stage scripts, models) through
-    coursekit, as from any folder."""
-    if request.config.getoption("--built-book"):
-        return Path(request.config.getoption("--built-book")).resolve()
+def book_source(tmp_path_factory):
+    """A copy of the book's sources (configuration, chapters, lessons, included batch files) and
+    an empty execution cache: the books built from it execute the lessons in the copy's lesson
+    folders, since nbval executes the same lessons in their own folders at the same time, on the
+    other worker. The lessons find the kit (data, stage scripts, models) through coursekit, as
+    from any folder."""
+    from coursekit import book
     source = tmp_path_factory.mktemp("book-source")
-    for name in BOOK_SOURCES:
+    for name in ("_config.yml", "notebooks", *book.SOURCES):
         if (KIT_ROOT / name).is_dir():
             shutil.copytree(KIT_ROOT / name, source / name,
                             ignore=shutil.ignore_patterns("runs", "train_gpt2.py", "__pycache__"))
         else:
             shutil.copy(KIT_ROOT / name, source / name)
-    out = tmp_path_factory.mktemp("book")
+    return source, tmp_path_factory.mktemp("execution-cache")
+
+
+@pytest.fixture(scope="session")
+def built_book(book_source, tmp_path_factory, request):
+    """The reader's edition of the book from a cold build (every lesson executed), with `make
+    book`'s code; built once for the book and the browser tests."""
+    if request.config.getoption("--built-book"):
+        return Path(request.config.getoption("--built-book")).resolve()
+    from coursekit import book
     start = time.perf_counter()
-    result = subprocess.run([str(Path(sys.executable).parent / "jupyter-book"), "build", str(source),
-                             "-W", "-n", "--keep-going", "--path-output", str(out)],
-                            capture_output=True, text=True, timeout=1500)
+    root, cache = book_source
+    html = book.build("reader", root, out=tmp_path_factory.mktemp("reader"), cache_dir=cache)
     print(f"cold book build: {time.perf_counter() - start:.0f} s")
-    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
-    return out / "_build" / "html"
+    return html
+
+
+@pytest.fixture(scope="session")
+def instructor_book(book_source, built_book, tmp_path_factory):
+    """The instructor's edition, from the executions the reader's edition made."""
+    from coursekit import book
+    root, cache = book_source
+    return book.build("instructor", root, out=tmp_path_factory.mktemp("instructor"), cache_dir=cache)
 
 
 def debian_tool(binary, *packages):

@@ -1,11 +1,13 @@
 """The Jupyter Book: builds with warnings as errors, lessons executed, every page reachable."""
 import os
 import re
+from html import unescape
 
+import nbformat
 import pytest
 import yaml
 
-from coursekit import KIT_ROOT, diffs, grading
+from coursekit import KIT_ROOT, book, diffs, grading
 
 # the first test builds the book (conftest.built_book): a cold build of every lesson
 pytestmark = [pytest.mark.book, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -118,3 +120,76 @@ def test_no_page_loads_a_script_or_stylesheet_from_the_internet(html):
 
 def test_search_index_is_built(html):
     assert (html / "search.html").is_file() and (html / "searchindex.js").is_file()
+
+
+# --- the two editions: the reader's never shows an answer ----------------------------------------
+MARKERS = {"### BEGIN SOLUTION": "### END SOLUTION", "### BEGIN HIDDEN TESTS": "### END HIDDEN TESTS"}
+
+
+def split_lines(notebook):
+    """(marked, visible): the stripped lines of a source notebook's solution and hidden-test
+    regions (markers included), and all its other lines."""
+    marked, visible = set(), set()
+    for cell in nbformat.read(notebook, as_version=4).cells:
+        end = None
+        for line in cell.source.splitlines():
+            line = line.strip()
+            if end is None and line in MARKERS:
+                end = MARKERS[line]
+            (marked if end else visible).add(line)
+            if line == end:
+                end = None
+    return marked, visible
+
+
+def secret_lines():
+    """{lesson: lines only its solutions and hidden tests hold}, none shorter than 6 characters:
+    none that the lessons show elsewhere (an import, `return total`), nor that the stage scripts
+    hold (lessons print and diff them), nor that the prose chapters quote (the instructor's guide
+    names the markers)."""
+    split = {path.parent.name: split_lines(path) for path in book.lesson_notebooks(KIT_ROOT)}
+    shown = "\n".join(line for _, visible in split.values() for line in visible)
+    shown += "".join(path.read_text() for path in (KIT_ROOT / "solutions").glob("*.py"))
+    shown += "".join(chapter.read_text() for chapter in (KIT_ROOT / "book").glob("*.md"))
+    return {lesson: {line for line in marked if len(line) >= 6 and line not in shown}
+            for lesson, (marked, _) in split.items()}
+
+
+def readable_text(path):
+    """What a reader can get from a file of the site: a page's text (tags removed, so that
+    highlighted code reads as its lines), a notebook download's cells, any other file as is."""
+    raw = path.read_text(errors="replace")
+    if path.suffix == ".html":
+        return unescape(re.sub(r"<[^>]+>", "", raw))
+    if path.suffix == ".ipynb":
+        notebook = nbformat.reads(raw, as_version=4)
+        return "\n".join(cell.source for cell in notebook.cells) + raw
+    return raw
+
+
+def site_text(site):
+    return {str(path.relative_to(site)): readable_text(path) for path in site.rglob("*")
+            if path.is_file() and path.suffix in (".html", ".js", ".ipynb", ".txt", ".md", ".json")}
+
+
+def test_every_lesson_has_lines_only_its_answers_hold():
+    assert all(len(lines) >= 3 for lines in secret_lines().values())
+
+
+def test_the_readers_edition_shows_no_solution_or_hidden_test(html):
+    texts = site_text(html)
+    leaks = {(lesson, line, name) for lesson, lines in secret_lines().items() for line in lines
+             for name, text in texts.items() if line in text}
+    assert sorted(leaks)[:20] == []
+    lesson_pages = [text for name, text in texts.items() if name.startswith("notebooks/")
+                    and name.endswith(".html")]
+    assert len(lesson_pages) == len(secret_lines())
+    assert all("raise NotImplementedError()" in page and not any(marker in page for marker in MARKERS)
+               for page in lesson_pages)
+
+
+def test_the_instructors_edition_shows_every_solution_and_hidden_test(instructor_book):
+    for lesson, lines in secret_lines().items():
+        page = readable_text(instructor_book / "notebooks" / lesson / f"{lesson}.html")
+        assert sorted(line for line in lines if line not in page) == []
+        assert "instructor's edition" in page

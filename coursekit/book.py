@@ -1,0 +1,122 @@
+"""The book's two editions, built from one execution of each lesson.
+
+- The **reader's edition** (`make book`, published): every exercise as its student version shows
+  it (nbgrader's own ClearSolutions and ClearHiddenTests), with no output under a solution cell
+  or a hidden test, so that no page, search index or downloadable source gives an answer away.
+- The **instructor's edition** (`make book-instructor`): the lessons as written, solutions and
+  hidden tests included.
+
+Both show the outputs of the source notebooks, executed in their own folders: the edition's copy
+of a lesson only changes what is shown. Executions are kept in jupyter-cache's store (the one
+Jupyter Book uses), so a lesson whose code did not change is not run again, and building the
+second edition runs nothing. Jupyter Book then builds each edition from a folder of its own, with
+execution off and warnings as errors.
+"""
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import yaml
+from jupyter_cache import get_cache
+from jupyter_cache.base import CacheBundleIn
+from jupyter_cache.executors.utils import single_nb_execution
+from nbgrader.preprocessors import ClearHiddenTests, ClearSolutions
+
+from coursekit import KIT_ROOT, KitError
+
+EDITIONS = ("reader", "instructor")
+#: What Jupyter Book reads besides the lessons: the configuration, the table of contents, the
+#: prose chapters and the batch files a chapter includes (book/cluster.md).
+SOURCES = ("_toc.yml", "book", "batchfiles")
+
+
+def lesson_notebooks(root):
+    """The lessons' notebooks under ``root``, in the order of the table of contents."""
+    toc = yaml.safe_load((Path(root) / "_toc.yml").read_text())
+    files = [chapter["file"] for part in toc["parts"] for chapter in part["chapters"]]
+    return [Path(root) / f"{name}.ipynb" for name in files if name.startswith("notebooks/")]
+
+
+def executed(notebook, cache_dir, timeout):
+    """``notebook`` with the outputs of an execution in its own folder (each cell at most
+    ``timeout`` seconds), taken from the cache when its code cells are unchanged. A cell that
+    raises is a KitError naming the lesson."""
+    cache = get_cache(str(cache_dir))
+    source = nbformat.read(notebook, as_version=4)
+    try:
+        return cache.merge_match_into_notebook(source)[1]
+    except KeyError:  # not run with this code yet
+        pass
+    # single_nb_execution is jupyter-cache's (and so Jupyter Book's) nbclient run: it keeps the
+    # widgets' state in the notebook's metadata, so that the book can draw them without a kernel
+    result = single_nb_execution(source, cwd=str(Path(notebook).parent), timeout=timeout,
+                                 allow_errors=False, meta_override=True)
+    if result.err is not None:
+        raise KitError(f"{Path(notebook).name} failed to execute:\n{result.exc_string}")
+    cache.cache_notebook_bundle(CacheBundleIn(source, str(notebook),
+                                              data={"execution_seconds": result.time}),
+                                check_validity=False, overwrite=True)
+    return source
+
+
+def reader_version(notebook):
+    """A copy of an executed lesson as the reader's edition shows it: solution regions replaced
+    by the student version's stubs, hidden tests removed, and the outputs of those cells dropped
+    (an output can show an answer)."""
+    copy = nbformat.from_dict(notebook)
+    revealing = {index for index, cell in enumerate(copy.cells) if reveals_answer(cell)}
+    for step in (ClearSolutions(), ClearHiddenTests()):
+        copy, _ = step.preprocess(copy, {})
+    for index in revealing:
+        if copy.cells[index].cell_type == "code":
+            copy.cells[index].outputs = []
+    return copy
+
+
+def reveals_answer(cell):
+    nbgrader = cell.metadata.get("nbgrader", {})
+    return bool(nbgrader.get("solution")) or "BEGIN HIDDEN TESTS" in cell.source
+
+
+def write_edition(edition, root, folder, cache_dir):
+    """The sources Jupyter Book builds ``edition`` from, written into ``folder``."""
+    if edition not in EDITIONS:
+        raise KitError(f"edition {edition!r} is not one of {', '.join(EDITIONS)}")
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    for name in SOURCES:
+        copy = shutil.copytree if (root / name).is_dir() else shutil.copy
+        copy(root / name, folder / name)
+    config = yaml.safe_load((root / "_config.yml").read_text())
+    timeout = config["execute"]["timeout"]
+    config["execute"]["execute_notebooks"] = "off"  # executed here, in the lessons' own folders
+    if edition == "instructor":
+        config["title"] += " (instructor's edition)"
+    (folder / "_config.yml").write_text(yaml.safe_dump(config, sort_keys=False))
+    for notebook in lesson_notebooks(root):
+        shown = executed(notebook, cache_dir, timeout)
+        if edition == "reader":
+            shown = reader_version(shown)
+        target = folder / notebook.relative_to(root)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(shown, target)
+
+
+def build(edition, root=KIT_ROOT, out=None, cache_dir=None):
+    """Build ``edition`` of the book of the kit at ``root`` with warnings as errors, into
+    ``out``/_build/html (by default the kit's _build/html for the reader's edition and
+    _build/instructor/_build/html for the instructor's); returns that HTML folder."""
+    root = Path(root)
+    out = Path(out) if out else root if edition == "reader" else root / "_build" / edition
+    cache_dir = Path(cache_dir) if cache_dir else root / "_build" / ".jupyter_cache"
+    sources = root / "_build" / f"{edition}-sources" if out == root else out / "sources"
+    write_edition(edition, root, sources, cache_dir)
+    jupyter_book = Path(sys.executable).parent / "jupyter-book"
+    result = subprocess.run([str(jupyter_book), "build", str(sources), "-W", "-n", "--keep-going",
+                             "--path-output", str(out)], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise KitError(f"the {edition}'s edition did not build:\n"
+                       f"{(result.stdout + result.stderr)[-6000:]}")
+    return out / "_build" / "html"
