@@ -102,13 +102,14 @@ class Model:
 
 def activation_bytes(model, micro_batch, seq_len, precision, activation_checkpointing=False,
                      blocks=None, logits=True):
-    """What forward keeps for backward (Korthikanti et al. 2022, with flash attention, which
-    stores no T x T attention matrix): about 34 values per token and width per block in 16-bit
-    training, twice the bytes in fp32, for ``blocks`` blocks (default: all of them). The logits
-    (fp32 for the loss) come on top. With checkpointing, each block keeps its input only, and one
+    """Bytes that forward keeps for backward (Korthikanti et al. 2022, with flash attention, which
+    stores no T x T attention matrix): about 34 bytes per token and width per block in 16-bit
+    training (their 34sbh counts bytes: 2 per 16-bit value, 1 per dropout-mask entry), twice that
+    in fp32, for ``blocks`` blocks (default: all of them). The logits (fp32 for the loss) come on
+    top. With checkpointing, each block keeps its input only, and one
     block's activations exist at a time during recomputation."""
     blocks = model.n_layer if blocks is None else blocks
-    scale = 1 if precision == "bf16-mixed" else 2  # 34 counts 2-byte values
+    scale = 1 if precision == "bf16-mixed" else 2  # 34 bytes holds 2-byte values
     tokens_width = micro_batch * seq_len * model.n_embd
     per_block = 34 * tokens_width * scale
     if activation_checkpointing:

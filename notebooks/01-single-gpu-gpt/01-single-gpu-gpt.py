@@ -298,9 +298,11 @@ for temperature in (0.5, 1.0):
 #
 # ## Model FLOPs utilisation (MFU)
 #
-# Training one token costs about $6N + 12LTd$ FLOPs: each of the $N$ weights used in matrix
-# products does a multiply-add (2 FLOPs) in the forward pass and two in the backward pass, and
-# attention adds its $T \times T$ products. MFU is the fraction of the device's peak those FLOPs
+# Training one token costs about $6N + 12LTd$ FLOPs. Each of the $N$ weights used in matrix
+# products does one multiply-add (2 FLOPs) in the forward pass. The backward pass does two
+# multiply-adds per weight, 4 FLOPs: one for the gradient of the layer's input (to pass back to the
+# layer before) and one for the gradient of the weight itself. Forward 2 + backward 4 = 6 FLOPs
+# per weight and token; attention adds its $T \times T$ products, $12LTd$ in all. MFU is the fraction of the device's peak those FLOPs
 # use: $\text{MFU} = \text{tokens/s} \times \text{FLOPs per token} / \text{peak FLOP/s}$.
 #
 # **Exercise 4.** Write `flops_per_token(n_layer, n_embd, seq_len, vocab_size)` with

@@ -71,7 +71,9 @@ LONGER_RUNS = torch.cuda.is_available()
 # Each rank computes $\nabla L_r$ on its own samples; one **all-reduce** (every rank sends its
 # gradient and receives the sum) followed by a division by $N$ gives every rank the gradient of
 # the whole minibatch. All ranks then take the same optimiser step from the same weights, so the
-# copies stay identical without ever sending weights.
+# copies stay identical. Weights are sent once: when DDP wraps the model it broadcasts rank 0's
+# parameters and buffers to every rank, so that all copies start equal; after that, only
+# gradients travel.
 #
 # Check the maths on the GPT of lesson 01 before any process is started: the gradient of 8
 # samples equals the mean of the gradients of two halves of 4.
@@ -111,10 +113,19 @@ demo = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", str(DEMO)
 print(demo.stdout)
 
 # %% [markdown]
-# The all-reduce moves every gradient byte across the network: for GPT-2 124M in fp32 that is
-# 0.5 GB per step, in each direction, on every GPU. A **ring all-reduce** sends each rank
-# $2(N-1)/N$ times the gradient's size, nearly independent of $N$, which is why data parallelism
-# scales to thousands of GPUs.
+# The all-reduce moves every gradient byte across the network. A **ring all-reduce** of a
+# gradient of $S$ bytes over $N$ ranks is a reduce-scatter then an all-gather, $N-1$ steps each,
+# and in every step each rank sends one $S/N$ chunk to its neighbour and receives one from the
+# other: each rank sends $2(N-1)/N \times S$ bytes per step and receives as many. For GPT-2 124M
+# in fp32, $S \approx 0.5$ GB: on 8 GPUs each GPU sends $2 \cdot 7/8 \cdot 0.5 = 0.875$ GB per
+# step and receives 0.875 GB, and on any number of GPUs less than $2S$ = 1 GB each way: nearly
+# independent of $N$, which is why data parallelism scales to thousands of GPUs.
+#
+# Bandwidth is not the only limit. Each of the $2(N-1)$ steps also pays a latency (tens of
+# microseconds between nodes), which grows with $N$; rings give way to trees and hierarchies at
+# scale for that reason. And adding ranks grows the global batch: beyond the **critical batch
+# size** a larger batch no longer cuts the number of steps needed in proportion, so more GPUs
+# stop saving time however fast the network is (lesson 07 comes back to this).
 #
 # DDP hides most of that time. It groups parameters into **buckets** of about 25 MB, in the
 # reverse order of the forward pass, and starts all-reducing a bucket as soon as backward has

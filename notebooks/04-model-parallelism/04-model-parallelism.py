@@ -75,13 +75,22 @@ print(f"torch {torch.__version__}; GPUs visible: {GPUS}")
 # | fp32 | 4 | 4 | 8 | **16** |
 # | bf16 mixed | 4 (fp32 master) + 2 (bf16 copy) | 4 (reduced in fp32) | 8 | **18** |
 #
+# This is the kit's accounting for PyTorch's autocast, which its stages use: the parameters stay
+# fp32 and serve as the master copy, their gradients are fp32, and forward and backward use a
+# 16-bit copy of each weight. The ZeRO paper and DeepSpeed count **16** bytes for mixed precision
+# instead: 2 (16-bit parameters) + 2 (16-bit gradients) + 12 (fp32 master copy, $m$ and $v$),
+# because there the 16-bit weights are the model and the gradients are 16-bit. Same optimiser
+# state, different bookkeeping of the copies and gradients; compare like with like.
+#
 # Mixed precision saves activation memory and time, not parameter memory: the fp32 master weights
 # and the optimiser stay. GPT-2 124M needs about 2 GB for these three parts, which is nothing on
 # an 80 GB GPU; a 7-billion-parameter model needs about 126 GB, which fits no single GPU.
 #
-# **Activations** are what forward keeps for backward: about $34\,b\,T\,d$ values per block for
-# a micro-batch of $b$ samples of $T$ tokens and width $d$ (Korthikanti et al., 2022, with flash
-# attention), plus the logits, $b \times T \times$ vocabulary. They do not depend on the number of
+# **Activations** are what forward keeps for backward: about $34\,b\,T\,d$ **bytes** per block
+# in 16-bit training, for a micro-batch of $b$ samples of $T$ tokens and width $d$ (Korthikanti et
+# al., 2022, with flash attention: their $34\,sbh$ counts bytes, 2 per stored 16-bit value and 1
+# per dropout-mask entry), twice that in fp32, plus the logits, $b \times T \times$ vocabulary
+# fp32 values. They do not depend on the number of
 # parameters, and data parallelism never splits them: only a smaller micro-batch, **activation
 # checkpointing** (keep each block's input, recompute the rest in backward) or a model-parallel
 # split makes them smaller.
@@ -526,7 +535,8 @@ plt.show()
 # ## Key points
 #
 # - Training memory = parameters + gradients + optimiser state (16 bytes per parameter with
-#   Adam in fp32, 18 with bf16 mixed precision) + activations (growing with micro-batch ×
+#   Adam in fp32, 18 with PyTorch's bf16 autocast, 16 in ZeRO's mixed-precision accounting) +
+#   activations (growing with micro-batch ×
 #   sequence, not with the number of GPUs in data parallelism).
 # - ZeRO-1/2/3 split the optimiser state, then the gradients, then the parameters over the
 #   data-parallel ranks; FSDP2's `fully_shard` is ZeRO-3, gathering one block's parameters at a
