@@ -233,25 +233,27 @@ widgets.scaling_calculator({1: 80, 4: 22})
 # `SLURM_NODEID`, `SLURM_CPUS_PER_TASK` and, with GPUs, `SLURM_GPUS_ON_NODE`. The distributed
 # lessons turn exactly these into PyTorch's `RANK`, `WORLD_SIZE` and `LOCAL_RANK`.
 
-# %%
-example_batch_file = """#!/bin/bash
-#SBATCH --job-name=gpt2-ddp
-#SBATCH --account=my-project
-#SBATCH --partition=gpu
-#SBATCH --nodes=2
-#SBATCH --ntasks-per-node=1
-#SBATCH --gpus-per-node=4
-#SBATCH --cpus-per-task=32
-#SBATCH --time=01:00:00
+# %% [markdown]
+# Here is a real one: the batch file the kit generates for the ddp stage on 2 nodes of 4 GPUs
+# of a generic cluster (`batchfiles/generic/batch-ddp-2n4g.sh`, from the same generator as the
+# files the kit's tests run on a small Slurm cluster). The `#SBATCH` lines ask for the resources. `srun` then starts one
+# `torchrun` per node, and the **rendezvous** options tell the `torchrun`s where to meet (the
+# allocation's first host and a port): without them each would wait for the others as node 0,
+# and the job would hang. Lesson 02 explains the rest.
 
-srun torchrun --nnodes=$SLURM_NNODES --nproc-per-node=4 train_gpt2_ddp.py
-"""
+# %%
+from coursekit import KIT_ROOT
+
+example_batch_file = (KIT_ROOT / "batchfiles" / "generic" / "batch-ddp-2n4g.sh").read_text()
 print(example_batch_file)
 
 # %% [markdown]
 # **Exercise 4.** Write `total_gpus(batch_file)`: how many GPUs the batch file asks for, from its
-# `--nodes` (or `-N`) and `--gpus-per-node` lines. Options may be written `--nodes=2` or
-# `--nodes 2`; a missing `--nodes` means one node. Only `#SBATCH` lines count.
+# `--nodes` (or `-N`) line and its GPUs per node. Sites ask for those in different forms, and
+# the kit's own site profiles use them: `--gpus-per-node=4`, `--gpus-per-node=a100:4` (with a GPU
+# type), or as a generic resource, `--gres=gpu:4` or `--gres=gpu:a100:4` (Leonardo's form).
+# Options may be written `--nodes=2` or `--nodes 2`; a missing `--nodes` means one node. Only
+# `#SBATCH` lines count.
 
 # %% nbgrader={"grade": false, "grade_id": "total_gpus", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def total_gpus(batch_file):
@@ -262,17 +264,24 @@ def total_gpus(batch_file):
             words = line[len("#SBATCH"):].replace("=", " ").split()
             options.update(zip(words[::2], words[1::2]))
     nodes = int(options.get("--nodes", options.get("-N", 1)))
-    return nodes * int(options.get("--gpus-per-node", 0))
+    gpus = options.get("--gpus-per-node")
+    if gpus is None:  # --gres=gpu[:type]:count[,other resources]
+        gpus = next((g for g in options.get("--gres", "").split(",") if g.startswith("gpu:")), "0")
+    return nodes * int(gpus.rsplit(":", 1)[-1])  # the count is the last field: "a100:4" -> 4
     ### END SOLUTION
 
 
 # %% nbgrader={"grade": true, "grade_id": "total_gpus_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 assert total_gpus(example_batch_file) == 8
 assert total_gpus("#!/bin/bash\n#SBATCH --gpus-per-node=4\nsrun hostname\n") == 4
+assert total_gpus((KIT_ROOT / "batchfiles" / "leonardo" / "batch-ddp-2n4g.sh").read_text()) == 8
 ### BEGIN HIDDEN TESTS
 assert total_gpus("#!/bin/bash\n#SBATCH -N 3\n#SBATCH --gpus-per-node 2\n") == 6
 assert total_gpus("#!/bin/bash\n#SBATCH --nodes 16\n#SBATCH --gpus-per-node=8\n# --nodes=99\n") == 128
 assert total_gpus("#!/bin/bash\n#SBATCH --nodes=2\n") == 0
+assert total_gpus("#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --gpus-per-node=a100:4\n") == 8
+assert total_gpus("#!/bin/bash\n#SBATCH --gres=gpu:a100:2\n") == 2
+assert total_gpus("#!/bin/bash\n#SBATCH -N 4\n#SBATCH --gres=nvme:1,gpu:4\n") == 16
 ### END HIDDEN TESTS
 
 # %% [markdown]
