@@ -492,6 +492,10 @@ bubble = {m: (bubble_fraction(STAGES, m), 1 - (one[m] / STAGES) / two[m]) for m 
 for m, (predicted, measured) in bubble.items():
     print(f"m = {m:2d}: one stage {one[m]:5.0f} ms, two stages {two[m]:5.0f} ms -> bubble "
           f"predicted {predicted:.2f}, measured {measured:.2f}")
+least = min(MICROBATCHES, key=lambda m: bubble[m][1])
+print(f"with one microbatch the measurement is {abs(bubble[1][1] - bubble[1][0]):.2f} from the "
+      f"prediction; the idle time is least at m = {least}"
+      + (f" and grows again up to m = {MICROBATCHES[-1]}" if least < MICROBATCHES[-1] else ""))
 
 fig, ax = plt.subplots(figsize=(6, 3.5))
 ax.plot(MICROBATCHES, [bubble[m][0] for m in MICROBATCHES], "o-", label="predicted (p-1)/(m+p-1)")
@@ -504,10 +508,11 @@ ax.legend()
 plt.show()
 
 # %% [markdown]
-# With one microbatch the measurement matches the prediction: one stage always waits for the
-# other. A few microbatches shrink the idle time, as predicted; with many, the measured idle
-# time grows again. Each microbatch is a send and a receive between processes and a smaller
-# matrix product, and those fixed costs, which the formula leaves out, add up. On GPUs the same
+# With one microbatch one stage always waits for the other: the last line says how far the
+# measurement lands from the predicted half. A few microbatches shrink the idle time, as
+# predicted. Where the measured idle time grows again with more microbatches (the last line says
+# from where), fixed costs are showing: each microbatch is a send and a receive between processes
+# and a smaller matrix product, costs the formula leaves out. On GPUs the same
 # trade holds at a larger scale: enough microbatches to hide the bubble, few enough that each
 # still keeps a GPU busy.
 #
