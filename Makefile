@@ -80,9 +80,9 @@ book: $(BOOK_INPUTS)
 book-instructor: $(BOOK_INPUTS)
 	$(BIN)/python -m coursekit book --edition instructor
 
-# Two pytest-xdist workers of one thread each keep both cores busy (tests/conftest.py: nbval's
-# lessons on one worker while the book builds a copy of them on the other, the Slurm tests on one,
-# the longest files first).
+# Two pytest-xdist workers of one thread each keep both cores busy (tests/conftest.py: the longest
+# files first, the Slurm tests on one worker; the book is built from nbval's executions of the
+# lessons, so that each lesson executes once for both).
 test: setup $(BOOK_JS) $(INSTRUCT_DATA) $(BASE_MODEL)
 	$(BIN)/python -m pytest -n 2
 

@@ -55,10 +55,15 @@ def executed(notebook, cache_dir, timeout):
                                  allow_errors=False, meta_override=True)
     if result.err is not None:
         raise KitError(f"{Path(notebook).name} failed to execute:\n{result.exc_string}")
-    cache.cache_notebook_bundle(CacheBundleIn(source, str(notebook),
-                                              data={"execution_seconds": result.time}),
-                                check_validity=False, overwrite=True)
+    keep_execution(source, notebook, cache_dir)
     return source
+
+
+def keep_execution(executed_notebook, notebook, cache_dir):
+    """Keep an execution of ``notebook`` (made here, or by nbval in the tests) in the cache, where
+    the books built with ``cache_dir`` find it as long as the lesson's code is unchanged."""
+    get_cache(str(cache_dir)).cache_notebook_bundle(CacheBundleIn(executed_notebook, str(notebook)),
+                                                    check_validity=False, overwrite=True)
 
 
 def reader_version(notebook):

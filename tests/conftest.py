@@ -6,6 +6,7 @@ installed, fails the run on CI (CI set) and whenever the tests run as root, wher
 be installed and started. A developer running tests as non-root with CI unset may see such skips
 (the Slurm cluster needs root); the run then passes, and its summary lists them under a banner.
 """
+import contextlib
 import os
 import shutil
 import socket
@@ -14,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import nbformat
 import pytest
 
 # `make test` runs two pytest-xdist workers on a 2-core machine. PyTorch starts one thread per core
@@ -47,17 +49,17 @@ SCREENSHOT_DIR = KIT_ROOT / "_build" / "browser"
 SESSION_START = time.time()
 
 #: `make test` runs the suite on 2 pytest-xdist workers. The tests of these files stay on one
-#: worker: the book and the browser tests share one execution of the lessons and the two editions
-#: built from it (built_book, instructor_book), and the Slurm test cluster is one per machine. Every other test file goes whole to whichever worker is free, so that its
-#: module fixtures (a training run) run once: nbval's lessons (test_notebooks) on one worker,
-#: while the book builds on the other.
+#: worker: the book and the browser tests share the two editions (built_book, instructor_book),
+#: and the Slurm test cluster is one per machine. Every other test file goes whole to whichever
+#: worker is free, so that its module fixtures (a training run) run once.
 WORKER_GROUPS = {"tests/test_book.py": "book", "tests/test_browser.py": "book",
                  "tests/test_slurm.py": "slurm"}
 
 
-#: The longest files, started first so that the short ones fill in around them at the end.
-LONGEST_FIRST = ("tests/test_book.py", "tests/test_browser.py", "tests/test_notebooks.py",
-                 "tests/test_slurm.py")
+#: The longest files, started first so that the short ones fill in around them at the end. The
+#: lessons' nbval runs come before the book, which is built from them (built_book).
+LONGEST_FIRST = ("tests/test_notebooks.py", "tests/test_slurm.py", "tests/test_book.py",
+                 "tests/test_browser.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -160,44 +162,85 @@ def pytest_addoption(parser):
                      "example _build/html after `make book`) instead of building one cold")
 
 
-@pytest.fixture(scope="session")
-def book_source(tmp_path_factory):
-    """A copy of the book's sources (configuration, chapters, lessons, included batch files) and
-    an empty execution cache: the books built from it execute the lessons in the copy's lesson
-    folders, since nbval executes the same lessons in their own folders at the same time, on the
-    other worker. The lessons find the kit (data, stage scripts, models) through coursekit, as
-    from any folder."""
-    from coursekit import book
-    source = tmp_path_factory.mktemp("book-source")
-    for name in ("_config.yml", "notebooks", *book.SOURCES):
-        if (KIT_ROOT / name).is_dir():
-            shutil.copytree(KIT_ROOT / name, source / name,
-                            ignore=shutil.ignore_patterns("runs", "train_gpt2.py", "__pycache__"))
-        else:
-            shutil.copy(KIT_ROOT / name, source / name)
-    return source, tmp_path_factory.mktemp("execution-cache")
+def session_folder(tmp_path_factory, name):
+    """A folder of this test session that every pytest-xdist worker sees."""
+    base = tmp_path_factory.getbasetemp()
+    folder = (base.parent if "PYTEST_XDIST_WORKER" in os.environ else base) / name
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+class LessonExecutions:
+    """nbval's executions of the lessons (tests/nbval_record.py), kept in a jupyter-cache store
+    that the books are built from: each lesson executes once for both. Shared by the workers in a
+    folder of the session: nbval's worker keeps them, the book's waits for them."""
+
+    def __init__(self, folder):
+        self.folder = folder
+        self.cache = folder / "cache"
+
+    @contextlib.contextmanager
+    def recording(self, lesson, notebook):
+        """Around nbval's run of ``lesson``: yields the path to record the run to, and keeps the
+        record if the run passes; otherwise tells the book that waits for it."""
+        from coursekit import book
+        try:
+            yield self.folder / f"{lesson}.ipynb"
+            executed = nbformat.read(self.folder / f"{lesson}.ipynb", as_version=4)
+            book.keep_execution(executed, notebook, self.cache)
+            (self.folder / f"{lesson}.kept").touch()
+        except BaseException:
+            (self.folder / f"{lesson}.failed").touch()
+            raise
+
+    def wait_for(self, lessons, timeout=3600):
+        """Wait until nbval has run each of ``lessons``; fail naming those that did not pass."""
+        deadline = time.monotonic() + timeout
+        def outcome(lesson):
+            return next((end for end in ("kept", "failed")
+                         if (self.folder / f"{lesson}.{end}").exists()), None)
+        while any(outcome(lesson) is None for lesson in lessons) and time.monotonic() < deadline:
+            time.sleep(1)
+        failed = [lesson for lesson in lessons if outcome(lesson) != "kept"]
+        if failed:
+            pytest.fail(f"the book is built from nbval's executions, and these lessons did not "
+                        f"pass nbval within {timeout} s: {', '.join(failed)}", pytrace=False)
 
 
 @pytest.fixture(scope="session")
-def built_book(book_source, tmp_path_factory, request):
-    """The reader's edition of the book from a cold build (every lesson executed), with `make
-    book`'s code; built once for the book and the browser tests."""
+def lesson_executions(tmp_path_factory):
+    return LessonExecutions(session_folder(tmp_path_factory, "lesson-executions"))
+
+
+def lessons_run_under_nbval(session):
+    """The lessons whose nbval test this session runs (tests/test_notebooks.py)."""
+    test = "tests/test_notebooks.py::test_lesson_runs_under_nbval["
+    return [item.nodeid.removeprefix(test)[:-1] for item in session.items
+            if item.nodeid.startswith(test)]
+
+
+@pytest.fixture(scope="session")
+def built_book(lesson_executions, tmp_path_factory, request):
+    """The reader's edition of the book, built once for the book and the browser tests with `make
+    book`'s code, from nbval's executions of the lessons when this session runs nbval (it runs
+    before the book: LONGEST_FIRST), and from executions of its own otherwise."""
     if request.config.getoption("--built-book"):
         return Path(request.config.getoption("--built-book")).resolve()
     from coursekit import book
+    lesson_executions.wait_for(lessons_run_under_nbval(request.session))
     start = time.perf_counter()
-    root, cache = book_source
-    html = book.build("reader", root, out=tmp_path_factory.mktemp("reader"), cache_dir=cache)
-    print(f"cold book build: {time.perf_counter() - start:.0f} s")
+    html = book.build("reader", KIT_ROOT, out=tmp_path_factory.mktemp("reader"),
+                      cache_dir=lesson_executions.cache)
+    print(f"book build: {time.perf_counter() - start:.0f} s")
     return html
 
 
 @pytest.fixture(scope="session")
-def instructor_book(book_source, built_book, tmp_path_factory):
-    """The instructor's edition, from the executions the reader's edition made."""
+def instructor_book(lesson_executions, built_book, tmp_path_factory):
+    """The instructor's edition, from the executions the reader's edition used."""
     from coursekit import book
-    root, cache = book_source
-    return book.build("instructor", root, out=tmp_path_factory.mktemp("instructor"), cache_dir=cache)
+    return book.build("instructor", KIT_ROOT, out=tmp_path_factory.mktemp("instructor"),
+                      cache_dir=lesson_executions.cache)
 
 
 def debian_tool(binary, *packages):

@@ -1,14 +1,17 @@
 """Lessons: jupytext pairs in sync, no outputs committed, lesson structure, and nbval on CPU."""
 import json
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jupytext
+import nbformat
 import pytest
 from jupytext.compare import NotebookDifference, compare_notebooks
 
-from coursekit import KIT_ROOT, grading
+from coursekit import KIT_ROOT, book, grading
 
 pytestmark = pytest.mark.notebooks
 LESSONS = grading.lessons(KIT_ROOT)
@@ -57,12 +60,45 @@ def test_lesson_has_objectives_time_exercises_and_key_points(lesson):
     assert any("### BEGIN HIDDEN TESTS" in c.source for c in graded)
 
 
-@pytest.mark.parametrize("lesson", LESSONS)
-def test_lesson_runs_under_nbval(lesson, tmp_path):
+def run_nbval(lesson, record):
+    """nbval's run of a lesson in its folder, recorded to ``record`` (nbval_record.py)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
     start = time.perf_counter()
-    result = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-q", "-p", "no:cacheprovider",
-                             str(notebook_path(lesson))], capture_output=True, text=True,
-                            cwd=notebook_path(lesson).parent, timeout=900)
+    result = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-q",
+                             "-p", "no:cacheprovider", "-p", "nbval_record",
+                             "--record-executed", str(record), str(notebook_path(lesson))],
+                            capture_output=True, text=True, cwd=notebook_path(lesson).parent,
+                            env=env, timeout=900)
     print(f"nbval {lesson}: {time.perf_counter() - start:.1f} s")
     assert result.returncode == 0, result.stdout[-5000:]
     assert " passed" in result.stdout and " failed" not in result.stdout
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_lesson_runs_under_nbval(lesson, lesson_executions):
+    """Every cell runs without error. The run is recorded and kept for the book (conftest's
+    built_book), which shows these outputs instead of executing the lesson again."""
+    with lesson_executions.recording(lesson, notebook_path(lesson)) as record:
+        run_nbval(lesson, record)
+
+
+def test_the_record_of_a_lesson_is_what_the_books_executor_gives(tmp_path):
+    """The book shows nbval's records: a lesson recorded has the outputs (their kinds, cell by
+    cell), execution counts, language and widget state that `make book`'s execution gives it."""
+    lesson = LESSONS[0]  # a lesson with widgets, a plot and printed results
+    run_nbval(lesson, tmp_path / "record.ipynb")
+    recorded = nbformat.read(tmp_path / "record.ipynb", as_version=4)
+    executed = book.executed(notebook_path(lesson), tmp_path / "cache", timeout=600)
+
+    def shown(notebook):
+        widgets = notebook.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]
+        return (notebook.metadata["language_info"],
+                sorted(state["model_name"] for state in widgets["state"].values()),
+                [(cell.execution_count, [(output.output_type, output.get("name"),
+                                          sorted(output.get("data", {})))
+                                         for output in cell.outputs])
+                 for cell in notebook.cells if cell.cell_type == "code"])
+
+    assert shown(recorded) == shown(executed)
+    assert any(cell.get("outputs") for cell in recorded.cells)

@@ -89,29 +89,16 @@ def test_run_directory_keeps_the_contract(single_run):
     assert len(predictions) == 8 and {"answer", "reference"} <= set(json.loads(predictions[0]))
 
 
-@pytest.fixture(scope="module")
-def recipe_run(base_model, tasks, tmp_path_factory):
-    """The tiny preset's whole recipe (250 steps), as lesson 05 runs it."""
-    out = tmp_path_factory.mktemp("recipe") / "run"
-    result = launch("single", out, base_model, tasks)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return out
+# The tiny preset's whole recipe (250 steps) teaches the model the tasks: lesson 05 runs it and
+# checks that exact match rises by 30 points and the validation loss falls by a quarter.
 
 
-def test_lora_teaches_the_tiny_model_the_tasks(recipe_run):
-    """Exact match on 100 unseen validation examples rises by 30 points at least."""
-    evaluations = runs.read_json(recipe_run / "eval.json")
-    before, after = evaluations["before"], evaluations["after"]
-    assert after["exact_match"] - before["exact_match"] >= 0.30, evaluations
-    assert after["val_loss"] < 0.75 * before["val_loss"]
-
-
-def test_merged_model_equals_base_plus_adapter(recipe_run, base_model):
+def test_merged_model_equals_base_plus_adapter(single_run, base_model):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
     base = AutoModelForCausalLM.from_pretrained(base_model)
-    adapted = PeftModel.from_pretrained(base, recipe_run / "adapter").eval()
-    merged = AutoModelForCausalLM.from_pretrained(recipe_run / "model").eval()
+    adapted = PeftModel.from_pretrained(base, single_run / "adapter").eval()
+    merged = AutoModelForCausalLM.from_pretrained(single_run / "model").eval()
     idx = torch.randint(0, 50257, (2, 64), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected, got = adapted(idx).logits, merged(idx).logits
