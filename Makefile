@@ -29,12 +29,10 @@ MATHJAX := mathjax@3.2.2
 
 setup: $(INSTALLED) $(TOKENIZER)
 
-# --no-compile: Python writes a module's bytecode the first time the module is imported, for the
-# modules the kit uses only; pip compiling every file it installs took most of the install's time.
 $(INSTALLED): requirements.txt requirements-dev.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet --no-compile -r requirements.txt -r requirements-dev.txt -e .
+	$(BIN)/python -m pip install --quiet -r requirements.txt -r requirements-dev.txt -e .
 	touch $@
 
 $(TOKENIZER): $(INSTALLED)
