@@ -190,11 +190,11 @@ with torch.no_grad():
 #
 # **Exercise 2.** Write `gpt2_adapted_shapes(n_layer, n_embd)`: the list of $(d_\text{in},
 # d_\text{out})$ of these four matrices in every block; and `lora_parameters(shapes, r)`: the
-# number of trainable parameters LoRA of rank `r` adds to matrices of those shapes. The test
-# compares them with PEFT's count on GPT-2 124M, built from its configuration on PyTorch's
-# `meta` device (shapes without values: no memory, no download).
+# number of trainable parameters LoRA of rank `r` adds to matrices of those shapes. Each function
+# has its own test; the second compares your count with PEFT's on GPT-2 124M, built from its
+# configuration on PyTorch's `meta` device (shapes without values: no memory, no download).
 
-# %% nbgrader={"grade": false, "grade_id": "lora_count", "locked": false, "schema_version": 3, "solution": true, "task": false}
+# %% nbgrader={"grade": false, "grade_id": "lora_shapes", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def gpt2_adapted_shapes(n_layer, n_embd):
     ### BEGIN SOLUTION
     d = n_embd
@@ -202,6 +202,18 @@ def gpt2_adapted_shapes(n_layer, n_embd):
     ### END SOLUTION
 
 
+# %% nbgrader={"grade": true, "grade_id": "lora_shapes_tests", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+assert len(gpt2_adapted_shapes(12, 768)) == 48
+assert (768, 2304) in gpt2_adapted_shapes(12, 768)  # c_attn: d -> 3d
+### BEGIN HIDDEN TESTS
+for n_layer, n_embd in ((12, 768), (2, 128)):
+    d = n_embd
+    assert sorted(gpt2_adapted_shapes(n_layer, n_embd)) == \
+        sorted([(d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)] * n_layer)
+### END HIDDEN TESTS
+
+
+# %% nbgrader={"grade": false, "grade_id": "lora_count", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def lora_parameters(shapes, r):
     ### BEGIN SOLUTION
     return sum(r * (d_in + d_out) for d_in, d_out in shapes)
@@ -223,14 +235,15 @@ GPT2_124M = GPT2Config()  # the hub's GPT-2 small: 12 blocks, 768 wide
 trainable, total = peft_count(GPT2_124M, 8)
 print(f"GPT-2 124M with LoRA r = 8: {trainable:,} trainable of {total:,} ({trainable / total:.2%})")
 
-# %% nbgrader={"grade": true, "grade_id": "lora_count_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-assert len(gpt2_adapted_shapes(12, 768)) == 48
+# %% nbgrader={"grade": true, "grade_id": "lora_count_tests", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
 assert lora_parameters([(768, 2304)], 8) == 8 * (768 + 2304)
-assert lora_parameters(gpt2_adapted_shapes(12, 768), 8) == trainable
 ### BEGIN HIDDEN TESTS
-for config, r in ((GPT2_124M, 16), (GPT2Config(n_layer=2, n_embd=128, n_head=4), 3)):
-    assert lora_parameters(gpt2_adapted_shapes(config.n_layer, config.n_embd), r) == \
-        peft_count(config, r)[0]
+# the blocks' matrices written out here, so that this cell does not depend on Exercise 2's first
+# function
+for config, r in ((GPT2_124M, 8), (GPT2_124M, 16), (GPT2Config(n_layer=2, n_embd=128, n_head=4), 3)):
+    d = config.n_embd
+    shapes = [(d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)] * config.n_layer
+    assert lora_parameters(shapes, r) == peft_count(config, r)[0]
 assert lora_parameters([], 8) == 0
 ### END HIDDEN TESTS
 
