@@ -64,7 +64,9 @@ $(INSTRUCT_DATA): $(INSTALLED)
 	$(BIN)/python -m coursekit instruct prepare --out data/instruct
 
 # The pretrained model lesson 05 fine-tunes: the std stage's tiny run, in Hugging Face format.
-$(BASE_MODEL): $(BUILTIN_DATA)
+# The corpus is needed first, but preparing it again (the Slurm tests' data job does, with the
+# same content) must not export the model again while lessons and tests read it: order-only.
+$(BASE_MODEL): | $(BUILTIN_DATA)
 	$(BIN)/python solutions/train_gpt2_std.py --preset tiny --data data/builtin --out runs/base-tiny \
 	  --resume
 	$(BIN)/python -m coursekit export-hf runs/base-tiny models/kit-tiny --force --untie
