@@ -159,7 +159,7 @@ def report_skips(terminalreporter):
 
 def pytest_addoption(parser):
     parser.addoption("--built-book", metavar="DIR", help="test this already built HTML book (for "
-                     "example _build/html after `make book`) instead of building one cold")
+                     "example _build/html after `make book`) instead of building one")
 
 
 def session_folder(tmp_path_factory, name):

@@ -9,7 +9,8 @@ import yaml
 
 from coursekit import KIT_ROOT, book, diffs, grading
 
-# the first test builds the book (conftest.built_book): a cold build of every lesson
+# the first test builds the book (conftest.built_book), from nbval's executions of the lessons
+# when the session runs nbval, executing them itself otherwise
 pytestmark = [pytest.mark.book, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
@@ -23,7 +24,7 @@ def toc_files():
 
 @pytest.fixture(scope="module")
 def html(built_book):
-    return built_book  # conftest: one cold build for these tests and the browser tests
+    return built_book  # conftest: one build for these tests and the browser tests
 
 
 def test_every_lesson_and_prose_chapter_is_in_the_table_of_contents():
