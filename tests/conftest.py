@@ -7,6 +7,7 @@ be installed and started. A developer running tests as non-root with CI unset ma
 (the Slurm cluster needs root); the run then passes, and its summary lists them under a banner.
 """
 import contextlib
+import fcntl
 import os
 import shutil
 import socket
@@ -38,9 +39,8 @@ def kit_root():
 @pytest.fixture(scope="session")
 def builtin_data(tmp_path_factory):
     """The offline corpus, built once per test session exactly as `make book` builds it."""
-    out = tmp_path_factory.mktemp("builtin")
-    data.prepare_builtin(out, progress=False)
-    return out
+    return made_once(tmp_path_factory, "builtin",
+                     lambda out: data.prepare_builtin(out, progress=False))
 
 
 #: Where the browser tests save screenshots; the ones of this session are listed at the end of
@@ -56,10 +56,14 @@ WORKER_GROUPS = {"tests/test_book.py": "book", "tests/test_browser.py": "book",
                  "tests/test_slurm.py": "slurm"}
 
 
-#: The longest files, started first so that the short ones fill in around them at the end. The
+#: The longest files, longest first (as `pytest --durations=0` measured them on this 2-core
+#: machine), so that the short ones fill in at the end and both workers finish together. The
 #: lessons' nbval runs come before the book, which is built from them (built_book).
 LONGEST_FIRST = ("tests/test_notebooks.py", "tests/test_slurm.py", "tests/test_book.py",
-                 "tests/test_browser.py")
+                 "tests/test_browser.py", "tests/test_grading.py", "tests/test_stage_lora.py",
+                 "tests/test_stage_std.py", "tests/test_hpo.py", "tests/test_stage_tp.py",
+                 "tests/test_stage_lit.py", "tests/test_tracking.py", "tests/test_stage_ddp.py",
+                 "tests/test_stage_pp.py", "tests/test_export_hf.py", "tests/test_stage_fsdp.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -205,6 +209,25 @@ class LessonExecutions:
         if failed:
             pytest.fail(f"the book is built from nbval's executions, and these lessons did not "
                         f"pass nbval within {timeout} s: {', '.join(failed)}", pytrace=False)
+
+
+def made_once(tmp_path_factory, name, make):
+    """The folder ``name`` of this test session, made by ``make(folder)`` once for every
+    pytest-xdist worker: by the first that asks, while the others wait on its lock. Tests only
+    read it."""
+    base = session_folder(tmp_path_factory, name)
+    folder, made = base / name, base / "made"
+    lock = os.open(base, os.O_RDONLY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not made.exists():  # not yet, or the worker that tried failed: from scratch
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            made.touch()
+    finally:
+        os.close(lock)  # and with it the lock
+    return folder
 
 
 @pytest.fixture(scope="session")
@@ -361,12 +384,12 @@ def expected_backends():
 def std_twenty_steps(builtin_data, tmp_path_factory):
     """The std stage's 20-step run in one thread (two such runs agree bit for bit): the reference
     of std's resume tests and of ddp and lit at the same global batch. Its run directory."""
-    out = tmp_path_factory.mktemp("std20")
-    result = run_stage("train_gpt2_std.py", *TWENTY_STEPS, "--data", builtin_data, "--out", out,
-                       env=kit_env(ONE_THREAD))
-    assert result.returncode == 0, result.stderr[-3000:]
-    out.with_suffix(".stdout").write_text(result.stdout)
-    return out
+    def train(out):
+        result = run_stage("train_gpt2_std.py", *TWENTY_STEPS, "--data", builtin_data, "--out",
+                           out, env=kit_env(ONE_THREAD))
+        assert result.returncode == 0, result.stderr[-3000:]
+        out.with_suffix(".stdout").write_text(result.stdout)
+    return made_once(tmp_path_factory, "std20", train)
 
 
 def std_stdout(run_dir):
@@ -388,17 +411,18 @@ def base_run():
 def ddp_ten_steps(builtin_data, tmp_path_factory):
     """10 steps of the ddp stage on 2 processes: what fsdp, tp and pp must train like, and a ddp
     run to export. Its run directory."""
-    out = tmp_path_factory.mktemp("ddp10")
-    torchrun(2, KIT_ROOT / "solutions" / "train_gpt2_ddp.py", *TEN_STEPS, "--data", builtin_data,
-             "--out", out)
-    return out
+    return made_once(tmp_path_factory, "ddp10", lambda out: torchrun(
+        2, KIT_ROOT / "solutions" / "train_gpt2_ddp.py", *TEN_STEPS, "--data", builtin_data,
+        "--out", out))
 
 
 @pytest.fixture(scope="session")
 def fsdp_ten_steps(builtin_data, tmp_path_factory):
     """10 steps of the fsdp stage on 2 processes, checkpoints at 5 and 10: (run directory,
     stdout)."""
-    out = tmp_path_factory.mktemp("fsdp10")
-    result = torchrun(2, KIT_ROOT / "solutions" / "train_gpt2_fsdp.py", *TEN_STEPS,
-                      "--data", builtin_data, "--out", out)
-    return out, result.stdout
+    def train(out):
+        result = torchrun(2, KIT_ROOT / "solutions" / "train_gpt2_fsdp.py", *TEN_STEPS,
+                          "--data", builtin_data, "--out", out)
+        out.with_suffix(".stdout").write_text(result.stdout)
+    out = made_once(tmp_path_factory, "fsdp10", train)
+    return out, out.with_suffix(".stdout").read_text()

@@ -1,5 +1,6 @@
 """The batch files on a real Slurm cluster (tests/slurm/cluster-up.sh). The ci site's files pass
-`sbatch --test-only` and run to exit 0 with their loss lines on a 2-node cluster; the 2-node jobs
+`sbatch --test-only`, and run to exit 0 with their loss lines on a 2-node cluster, each stage on
+its widest shape and ddp on every one (the other files share their text); the 2-node jobs
 really use both nodes; a job stopped mid-run is requeued, resumes from its checkpoint and ends
 where an uninterrupted run does. Every real site's files pass `sbatch --test-only` on a copy of
 that site's partition (its name and time limit; nodes of its cores, GPUs and memory), which
@@ -26,6 +27,14 @@ CI_FILES = sorted(p.name for p in (KIT_ROOT / "batchfiles" / "ci").glob("*.sh"))
 TRAINING_FILES = [name for name in CI_FILES if name not in ("batch-data.sh", "batch-mlflow-ui.sh")
                   and not name.startswith(("batch-lora", "batch-hpo"))]
 LORA_FILES = [name for name in CI_FILES if name.startswith("batch-lora")]
+# Slurm runs every launch once, not every file: ddp (and std) on every shape, and each other
+# training stage on the widest, 2 nodes x 2 processes, where its process groups span nodes and
+# ranks share a node; lora on 1 process (its reference), on 1 node x 2 (the requeue test's) and on
+# 2 nodes. Every other file is the text of one of these with other numbers and stage flags
+# (test_every_file_has_the_text_of_a_file_slurm_runs), and passes `sbatch --test-only`.
+TRAINING_RUNS = [name for name in TRAINING_FILES
+                 if name.startswith(("batch-ddp-", "batch-std-")) or "-2n2g" in name]
+LORA_RUNS = ["batch-lora-1n1g.sh", "batch-lora-1n2g.sh", "batch-lora-2n1g.sh"]
 HPO_FILES = [name for name in CI_FILES if name.startswith("batch-hpo")]
 HPO_TRIALS = int(re.search(r"--trials (\d+)", CI["hpo_args"]).group(1))
 LORA_STEPS = int(re.search(r"--max-steps (\d+)", CI["finetune_args"]).group(1))
@@ -194,9 +203,10 @@ class Jobs:
 
 @pytest.fixture(scope="session")
 def training(request, cluster, builtin_in_kit):
-    """The ci training jobs and the srun-launched ddp job, each run once, as the tests ask."""
+    """The training jobs Slurm runs and the srun-launched ddp job, each run once, as the tests
+    ask."""
     write_srun_launched(cluster)
-    jobs = Jobs(cluster, wanted_by(request.session, "training", [*TRAINING_FILES, SRUN_LAUNCHED]))
+    jobs = Jobs(cluster, wanted_by(request.session, "training", [*TRAINING_RUNS, SRUN_LAUNCHED]))
     yield jobs
     jobs.clean()
 
@@ -205,6 +215,24 @@ def training(request, cluster, builtin_in_kit):
 def test_batch_file_passes_sbatch_test_only(cluster, name):
     result = sbatch_test_only(cluster, KIT_ROOT / "batchfiles" / "ci" / name)
     assert result.returncode == 0 and "to start at" in result.stderr, result.stderr
+
+
+def launch_text(name):
+    """A ci batch file's text with what differs between stages and shapes blanked: the stage's
+    name, the flags that split its model and batch, and every number."""
+    text = (KIT_ROOT / "batchfiles" / "ci" / name).read_text()
+    text = re.sub(r" --(tp|microbatches|micro-batch) \d+", "", text)
+    text = re.sub(r"(?<![A-Za-z])(std|ddp|fsdp|lit|tp|pp|lora)(?![A-Za-z])", "STAGE", text)
+    return re.sub(r"\d+", "N", text)
+
+
+def test_every_file_has_the_text_of_a_file_slurm_runs():
+    """So the files Slurm does not run launch as one that it runs does, and differ from it only
+    in what `sbatch --test-only` checks (nodes, tasks, GPUs) and what the stage tests cover (the
+    stage's script and flags)."""
+    ran = {launch_text(name) for name in [*TRAINING_RUNS, *LORA_RUNS]}
+    assert len(ran) < len(TRAINING_RUNS) + len(LORA_RUNS)  # the blanking leaves something shared
+    assert [name for name in TRAINING_FILES + LORA_FILES if launch_text(name) not in ran] == []
 
 
 def sbatch_test_only(cluster, path, site=None, *options):
@@ -293,7 +321,7 @@ def answers(url):
         return False
 
 
-@pytest.mark.parametrize("name", [*TRAINING_FILES, SRUN_LAUNCHED])
+@pytest.mark.parametrize("name", [*TRAINING_RUNS, SRUN_LAUNCHED])
 def test_training_job_finishes_with_its_loss_lines(training, name):
     status, log, metrics, job = training.result(name)
     assert status == 0, log[-3000:]
@@ -314,11 +342,7 @@ def test_every_shape_trains_the_same_model(training):
     """The minibatch is the same whatever the nodes, processes and launcher: so are the losses
     (the 4-process jobs run a smaller micro-batch to keep it)."""
     reference = [r["loss"] for r in training.result("batch-ddp-1n2g.sh")[2]]
-    for name in ("batch-std-1n1g.sh", "batch-ddp-1n1g.sh", "batch-ddp-2n1g.sh", "batch-ddp-2n2g.sh",
-                 SRUN_LAUNCHED, "batch-fsdp-1n2g.sh", "batch-fsdp-2n1g.sh", "batch-fsdp-2n2g.sh",
-                 "batch-lit-1n2g.sh", "batch-lit-2n1g.sh", "batch-lit-2n2g.sh",
-                 "batch-tp-1n2g.sh", "batch-tp-2n1g.sh", "batch-tp-2n2g.sh",
-                 "batch-pp-1n2g.sh", "batch-pp-2n1g.sh", "batch-pp-2n2g.sh"):
+    for name in [*TRAINING_RUNS, SRUN_LAUNCHED]:
         losses = [r["loss"] for r in training.result(name)[2]]
         assert losses == pytest.approx(reference, abs=1e-4), name
 
@@ -329,7 +353,7 @@ def lora_training(request, cluster, builtin_in_kit):
     prepares."""
     subprocess.run(["make", "models/kit-tiny/config.json", "data/instruct/meta.json"],
                    cwd=KIT_ROOT, check=True, capture_output=True, timeout=900)
-    jobs = Jobs(cluster, wanted_by(request.session, "lora_training", LORA_FILES))
+    jobs = Jobs(cluster, wanted_by(request.session, "lora_training", LORA_RUNS))
     yield jobs
     jobs.clean()
 
@@ -338,7 +362,7 @@ def test_lora_jobs_fine_tune_alike_on_every_shape(lora_training):
     """`accelerate launch` on 1 and 2 nodes: every job finishes, saves the adapter and the merged
     model, and takes the same steps whatever its shape (no dropout, the same 32 examples)."""
     reference = [r["loss"] for r in lora_training.result("batch-lora-1n1g.sh")[2]]
-    for name in LORA_FILES:
+    for name in LORA_RUNS:
         status, log, metrics, job = lora_training.result(name)
         assert status == 0, log[-3000:]
         assert re.search(rf"^step {LORA_STEPS}/{LORA_STEPS} \| loss .* \| exact match", log,
