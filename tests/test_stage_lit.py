@@ -1,14 +1,10 @@
-"""The lit stage: Lightning runs the same model and data as std, on 2 CPU devices, and resumes
-from its own checkpoint exactly where an uninterrupted run would be."""
-import os
-import signal
-
+"""The lit stage: Lightning runs the same model and data as std, on 2 CPU devices. That a run
+killed between checkpoints resumes from its own checkpoint exactly where an uninterrupted run
+would be, lesson 03 shows and asserts (its nbval run, tests/test_notebooks.py)."""
 import pytest
 
-from conftest import (ONE_THREAD, TWENTY_STEPS, kit_env, run_as_srun_tasks, run_stage,
-                      stage_command)
+from conftest import ONE_THREAD, TWENTY_STEPS, kit_env, run_as_srun_tasks, run_stage
 from coursekit import runs, stages
-from helpers import interrupt
 
 pytestmark = pytest.mark.stages
 SCRIPT = "train_gpt2_lit.py"
@@ -69,30 +65,6 @@ def test_one_device_has_the_std_first_loss(builtin_data, tmp_path, std_metrics):
     run_lit(*STEPS[:2], "--max-steps", "1", "--sample-tokens", "0", "--device", "cpu",
             "--data", builtin_data, "--out", tmp_path)
     assert runs.read_metrics(tmp_path)[0]["loss"] == pytest.approx(std_metrics[0]["loss"], abs=1e-5)
-
-
-def test_killed_run_resumes_from_its_checkpoint_like_an_uninterrupted_one(builtin_data, tmp_path,
-                                                                          two_device_run):
-    reference, _ = two_device_run
-    command = stage_command(SCRIPT, *STEPS, "--devices", "2", "--data", builtin_data,
-                            "--out", tmp_path)
-    # its own session: the kill takes Lightning's second process with it, as a node failure would
-    job = interrupt.start(command, kit_env(ONE_THREAD), start_new_session=True)
-    # 3 steps past the checkpoint at 10, 7 before the next
-    lines = interrupt.read_until(job, "step 13/20 ")
-    os.killpg(job.pid, signal.SIGKILL)
-    returncode, _ = interrupt.finish(job, lines)
-    assert returncode == -signal.SIGKILL
-    # the step line is printed before its metrics record is appended: the kill can beat that
-    # write, never the one of the step before
-    assert [r["step"] for r in runs.read_metrics(tmp_path)][-1] >= 12
-    assert (tmp_path / "ckpt" / "last.ckpt").resolve().name == "step_00000010.ckpt"
-
-    resumed = run_lit(*command[2:], "--resume")
-    assert resumed.stdout.count("step 11/20 ") == 1 and "step 10/20 " not in resumed.stdout
-    got, expected = runs.read_metrics(tmp_path), runs.read_metrics(reference)
-    assert [(r["step"], r["loss"], r.get("val_loss")) for r in got] == \
-           [(r["step"], r["loss"], r.get("val_loss")) for r in expected]
 
 
 # --- bad choices: one line naming the value and what is allowed -------------------------------

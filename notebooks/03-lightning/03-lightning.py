@@ -352,13 +352,22 @@ while len(runs.read_metrics(RUNS / "killed")) < 8 and job.poll() is None:
     time.sleep(0.1)
 os.killpg(job.pid, signal.SIGKILL)
 job.wait()
-print(f"killed after step {runs.read_metrics(RUNS / 'killed')[-1]['step']}; "
-      f"last checkpoint {(RUNS / 'killed' / 'ckpt' / 'last.ckpt').resolve().name}")
+killed_at = runs.read_metrics(RUNS / "killed")[-1]["step"]
+last_checkpoint = (RUNS / "killed" / "ckpt" / "last.ckpt").resolve().name
+print(f"killed after step {killed_at}; last checkpoint {last_checkpoint}")
 resumed = run_script("killed", "--resume")
 print("\n".join(line for line in resumed.stdout.splitlines() if line.startswith("step")))
-same = [(r["step"], r["loss"]) for r in runs.read_metrics(RUNS / "killed")] == \
-       [(r["step"], r["loss"]) for r in from_script]
+same = [(r["step"], r["loss"], r.get("val_loss")) for r in runs.read_metrics(RUNS / "killed")] == \
+       [(r["step"], r["loss"], r.get("val_loss")) for r in from_script]
 print(f"resumed run identical to the uninterrupted one: {same}")
+# What this shows is checked too (the kit's tests run the lesson under nbval). On CPU the resumed
+# run is the uninterrupted one bit for bit; on GPUs, atomic adds in the backward pass (the
+# embedding's gradient) change the last bits of any run, so there the losses agree to 1e-4.
+assert job.returncode == -signal.SIGKILL and 6 < killed_at < 12
+assert last_checkpoint == "step_00000006.ckpt" and resumed.stdout.count("step 7/12 ") == 1
+assert "step 6/12 " not in resumed.stdout
+assert same or DEVICE != "cpu" and max(abs(a["loss"] - b["loss"]) for a, b in zip(
+    runs.read_metrics(RUNS / "killed"), from_script, strict=True)) < 1e-4
 
 # %% [markdown]
 # ## Lightning under Slurm
