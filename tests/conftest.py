@@ -49,11 +49,13 @@ SCREENSHOT_DIR = KIT_ROOT / "_build" / "browser"
 SESSION_START = time.time()
 
 #: `make test` runs the suite on 2 pytest-xdist workers. The tests of these files stay on one
-#: worker: the book and the browser tests share the two editions (built_book, instructor_book),
-#: and the Slurm test cluster is one per machine. Every other test file goes whole to whichever
-#: worker is free, so that its module fixtures (a training run) run once.
-WORKER_GROUPS = {"tests/test_book.py": "book", "tests/test_browser.py": "book",
-                 "tests/test_slurm.py": "slurm"}
+#: worker: the book is built from the lessons' nbval runs, and the browser tests share its two
+#: editions (built_book, instructor_book), so the book's tests follow nbval on its worker instead
+#: of waiting for it on the other; the Slurm test cluster is one per machine. Every other test
+#: file goes whole to whichever worker is free, so that its module fixtures (a training run) run
+#: once.
+WORKER_GROUPS = {"tests/test_notebooks.py": "book", "tests/test_book.py": "book",
+                 "tests/test_browser.py": "book", "tests/test_slurm.py": "slurm"}
 
 
 #: The longest files, longest first (as `pytest --durations=0` measured them on this 2-core

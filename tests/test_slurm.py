@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -389,20 +390,53 @@ def held_at(step):
     return f"--export=ALL,PYTHONPATH={path},KIT_HOLD_AT_STEP={step}"
 
 
-@pytest.mark.parametrize("name, how", [("batch-ddp-1n2g.sh", "scontrol-requeue"),
-                                       ("batch-ddp-1n2g.sh", "time-limit-signal"),
-                                       ("batch-lora-1n2g.sh", "time-limit-signal")])
-def test_stopped_job_is_requeued_and_resumes_like_an_uninterrupted_one(request, cluster, name,
-                                                                       how):
-    jobs = request.getfixturevalue("lora_training" if "lora" in name else "training")
-    reference = jobs.result(name)[2]  # the uninterrupted run
+# The requeue tests' cases: (batch file, how it is stopped)
+REQUEUES = [("batch-ddp-1n2g.sh", "scontrol-requeue"), ("batch-ddp-1n2g.sh", "time-limit-signal"),
+            ("batch-lora-1n2g.sh", "time-limit-signal")]
+
+
+class Requeues:
+    """The requeue tests' jobs, started when the first test asks: those of one batch file (one run
+    directory) one after another, those of different files side by side, so that one job's wait
+    for Slurm to start it again is spent running another."""
+
+    def __init__(self, cluster, jobs, cases):
+        self.cluster, self.jobs, self.cases = cluster, jobs, cases  # jobs: Jobs of each file
+        self.references, self.outcomes, self.threads = {}, {}, {}
+
+    def result(self, name, how):
+        """(the uninterrupted run's metrics, (exit status, `scontrol -d show job` as it ended, the
+        log, the metrics)) of the case; raises what its run raised."""
+        if not self.threads:
+            for file in dict.fromkeys(name for name, _ in self.cases):
+                self.references[file] = self.jobs[file].result(file)[2]
+                self.threads[file] = threading.Thread(target=self.run, args=(file,), daemon=True)
+                self.threads[file].start()
+        self.threads[name].join()
+        outcome = self.outcomes[name, how]
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return self.references[name], outcome
+
+    def run(self, file):
+        for name, how in self.cases:
+            if name == file:
+                try:
+                    self.outcomes[name, how] = stop_and_requeue(self.cluster, name, how)
+                except BaseException as failure:  # the test that asks for it raises it
+                    self.outcomes[name, how] = failure
+
+
+def stop_and_requeue(cluster, name, how):
+    """Run the batch file held after step HOLD_AT, stop it as `how` says, and wait until Slurm has
+    run it again to its end: (exit status, `scontrol -d show job` as it ended, log, metrics)."""
     steps = LORA_STEPS if "lora" in name else STEPS
     shutil.rmtree(run_dir(name), ignore_errors=True)
     job_id = submit(cluster, name, held_at(HOLD_AT))
     log = cluster["logs"] / f"{name}.{job_id}.out"
     wait_until(lambda: log.exists() and re.search(rf"^step {HOLD_AT}/{steps} ", log.read_text(),
                                                   re.MULTILINE), 600, f"no step {HOLD_AT}")
-    action, signal_name = STOPS[how]
+    action, _ = STOPS[how]
     if action:
         scontrol(cluster, *action, job_id)  # Slurm stops the job (SIGTERM) and queues it again
     else:  # the batch file's trap passes it on, waits for the checkpoint and requeues
@@ -415,12 +449,28 @@ def test_stopped_job_is_requeued_and_resumes_like_an_uninterrupted_one(request, 
                                  scontrol(cluster, "show", "job", job_id)),
                600, "the job was neither requeued nor ended")
     status, record = wait_for_job(cluster, job_id)
-    text = log.read_text()
+    return status, record, log.read_text(), runs.read_metrics(run_dir(name))
+
+
+@pytest.fixture(scope="session")
+def requeued(request, cluster, training, lora_training):
+    """The requeue cases the session's selected tests ask for."""
+    cases = [case for case in REQUEUES if any(
+        "requeued" in getattr(item, "fixturenames", ()) and hasattr(item, "callspec")
+        and (item.callspec.params.get("name"), item.callspec.params.get("how")) == case
+        for item in request.session.items)]
+    jobs = {name: lora_training if "lora" in name else training for name, _ in cases}
+    return Requeues(cluster, jobs, cases)
+
+
+@pytest.mark.parametrize("name, how", REQUEUES)
+def test_stopped_job_is_requeued_and_resumes_like_an_uninterrupted_one(requeued, name, how):
+    reference, (status, record, text, got) = requeued.result(name, how)
     assert status == 0 and "JobState=COMPLETED" in record, text[-4000:] + record
     assert "Restarts=1 " in record, record
+    signal_name = STOPS[how][1]
     assert f"{signal_name} received: checkpoint saved at step {HOLD_AT};" in text, text[-3000:]
     assert f"resumed from {run_dir(name).relative_to(KIT_ROOT)}/ckpt/step_{HOLD_AT:08d}" in text
-    got = runs.read_metrics(run_dir(name))
     assert [(r["step"], r["loss"], r.get("val_loss")) for r in got] == \
            [(r["step"], r["loss"], r.get("val_loss")) for r in reference]
 
