@@ -11,11 +11,14 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
+CORE := $(VENV)/.core
+CORE_PACKAGES := torch numpy tiktoken tqdm safetensors
 # tiktoken reads the GPT-2 vocabulary from here, so nothing is downloaded at run time.
 export TIKTOKEN_CACHE_DIR := $(CURDIR)/.cache/tiktoken
 TOKENIZER := $(TIKTOKEN_CACHE_DIR)/.complete
 BUILTIN_DATA := data/builtin/meta.json
 INSTRUCT_DATA := data/instruct/meta.json
+BASE_RUN := runs/base-tiny/.complete
 BASE_MODEL := models/kit-tiny/config.json
 # The book's widgets run on the ipywidgets HTML manager and RequireJS, and its formulas on MathJax,
 # all served from the site itself (not a CDN) so that the book works offline; npm fetches them.
@@ -25,17 +28,27 @@ HTML_MANAGER := @jupyter-widgets/html-manager@1.0.15
 REQUIREJS := requirejs@2.3.8
 MATHJAX := mathjax@3.2.2
 
+# Two jobs at once: the set-up's steps that do not depend on each other run side by side.
+MAKEFLAGS += --jobs=2
+
 .PHONY: setup book book-instructor test test-fast lab assignments clean
 
 setup: $(INSTALLED) $(TOKENIZER)
 
-$(INSTALLED): requirements.txt requirements-dev.txt pyproject.toml
+# Two steps, so that the base model (below) trains on one core while pip, which uses one, installs
+# the rest: first what the corpus and the std stage import, at the versions requirements.txt pins.
+$(CORE): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c requirements.txt $(CORE_PACKAGES)
+	$(BIN)/python -m pip install --quiet --no-deps -e .
+	touch $@
+
+$(INSTALLED): $(CORE) requirements-dev.txt
 	$(BIN)/python -m pip install --quiet -r requirements.txt -r requirements-dev.txt -e .
 	touch $@
 
-$(TOKENIZER): $(INSTALLED)
+$(TOKENIZER): $(CORE)
 	$(BIN)/python -m coursekit tokenizer fetch
 	touch $@
 
@@ -57,7 +70,7 @@ $(BOOK_JS):
 	rm -rf .cache/npm
 	touch $@
 
-$(BUILTIN_DATA): $(INSTALLED) $(TOKENIZER)
+$(BUILTIN_DATA): $(CORE) $(TOKENIZER)
 	$(BIN)/python -m coursekit data prepare --source builtin --out data/builtin
 
 $(INSTRUCT_DATA): $(INSTALLED)
@@ -65,10 +78,14 @@ $(INSTRUCT_DATA): $(INSTALLED)
 
 # The pretrained model lesson 05 fine-tunes: the std stage's tiny run, in Hugging Face format.
 # The corpus is needed first, but preparing it again (the Slurm tests' data job does, with the
-# same content) must not export the model again while lessons and tests read it: order-only.
-$(BASE_MODEL): | $(BUILTIN_DATA)
+# same content) must not train and export the model again while lessons and tests read it:
+# order-only. The export needs transformers, from the second install.
+$(BASE_RUN): $(CORE) | $(BUILTIN_DATA)
 	$(BIN)/python solutions/train_gpt2_std.py --preset tiny --data data/builtin --out runs/base-tiny \
 	  --resume
+	touch $@
+
+$(BASE_MODEL): $(BASE_RUN) $(INSTALLED)
 	$(BIN)/python -m coursekit export-hf runs/base-tiny models/kit-tiny --force --untie
 
 # Execute every lesson (cached in _build/.jupyter_cache: unchanged lessons are not re-run) and

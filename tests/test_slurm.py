@@ -28,20 +28,21 @@ CI_FILES = sorted(p.name for p in (KIT_ROOT / "batchfiles" / "ci").glob("*.sh"))
 TRAINING_FILES = [name for name in CI_FILES if name not in ("batch-data.sh", "batch-mlflow-ui.sh")
                   and not name.startswith(("batch-lora", "batch-hpo"))]
 LORA_FILES = [name for name in CI_FILES if name.startswith("batch-lora")]
-# Slurm runs every launch once, not every file: ddp (and std) on every shape, and each other
-# training stage on the widest, 2 nodes x 2 processes, where its process groups span nodes and
-# ranks share a node; lora on 1 process (its reference), on 1 node x 2 (the requeue test's) and on
-# 2 nodes. Every other file is the text of one of these with other numbers and stage flags
-# (test_every_file_has_the_text_of_a_file_slurm_runs), and passes `sbatch --test-only`.
-TRAINING_RUNS = [name for name in TRAINING_FILES
-                 if name.startswith(("batch-ddp-", "batch-std-")) or "-2n2g" in name]
-LORA_RUNS = ["batch-lora-1n1g.sh", "batch-lora-1n2g.sh", "batch-lora-2n1g.sh"]
+# Slurm runs every launch once, not every file, each on as few processes as show it: std on 1;
+# ddp on 1 node x 2 (the reference, and the requeue tests' file) and on 2 x 2; tp on 2 x 2 (a
+# tensor-parallel pair on each node, data parallel across them); fsdp, pp and lit across 2 nodes
+# x 1; lora on 1 node x 2 (the requeue test's) and 2 x 1. Every other file is the text of one of
+# these with other numbers and stage flags (test_every_file_has_the_text_of_a_file_slurm_runs),
+# and passes `sbatch --test-only`.
+TRAINING_RUNS = ["batch-std-1n1g.sh", "batch-ddp-1n2g.sh", "batch-ddp-2n2g.sh", "batch-tp-2n2g.sh",
+                 "batch-fsdp-2n1g.sh", "batch-pp-2n1g.sh", "batch-lit-2n1g.sh"]
+LORA_RUNS = ["batch-lora-1n2g.sh", "batch-lora-2n1g.sh"]
 HPO_FILES = [name for name in CI_FILES if name.startswith("batch-hpo")]
 HPO_TRIALS = int(re.search(r"--trials (\d+)", CI["hpo_args"]).group(1))
 LORA_STEPS = int(re.search(r"--max-steps (\d+)", CI["finetune_args"]).group(1))
 # The ddp stage started by srun, one task per process (the launcher of sites that bind each task
-# to its cores, such as LUMI), generated into the test's folder: 2 nodes x 2 tasks
-SRUN_LAUNCHED = "batch-ddp-2n2g-srun.sh"
+# to its cores, such as LUMI), generated into the test's folder: 2 nodes x 1 task
+SRUN_LAUNCHED = "batch-ddp-2n1g-srun.sh"
 STEPS = int(re.search(r"--max-steps (\d+)", CI["train_args"]).group(1))
 SITES = [site for site in slurm.site_names() if site != "ci"]
 # Job states Slurm keeps for MinJobAge (300 s) once a job has ended: a poll cannot miss them
@@ -114,7 +115,7 @@ def batch_file(cluster, name):
 def write_srun_launched(cluster):
     profile = {**slurm.load_site("ci"), "launcher": "srun", "name": "ci-srun"}
     batch_file(cluster, SRUN_LAUNCHED).write_text(
-        slurm.training_job("ddp", slurm.Topology(2, 2), profile))
+        slurm.training_job("ddp", slurm.Topology(2, 1), profile))
 
 
 def submit(cluster, name, *options, log="{name}.%j.out"):
@@ -220,9 +221,11 @@ def test_batch_file_passes_sbatch_test_only(cluster, name):
 
 def launch_text(name):
     """A ci batch file's text with what differs between stages and shapes blanked: the stage's
-    name, the flags that split its model and batch, and every number."""
+    name, the flags that split its model and batch, the Accelerate config (one process, or DDP),
+    and every number."""
     text = (KIT_ROOT / "batchfiles" / "ci" / name).read_text()
     text = re.sub(r" --(tp|microbatches|micro-batch) \d+", "", text)
+    text = re.sub(r"solutions/accelerate/\w+\.yaml", "CONFIG", text)
     text = re.sub(r"(?<![A-Za-z])(std|ddp|fsdp|lit|tp|pp|lora)(?![A-Za-z])", "STAGE", text)
     return re.sub(r"\d+", "N", text)
 
@@ -230,7 +233,7 @@ def launch_text(name):
 def test_every_file_has_the_text_of_a_file_slurm_runs():
     """So the files Slurm does not run launch as one that it runs does, and differ from it only
     in what `sbatch --test-only` checks (nodes, tasks, GPUs) and what the stage tests cover (the
-    stage's script and flags)."""
+    stage's script and flags, every Accelerate config)."""
     ran = {launch_text(name) for name in [*TRAINING_RUNS, *LORA_RUNS]}
     assert len(ran) < len(TRAINING_RUNS) + len(LORA_RUNS)  # the blanking leaves something shared
     assert [name for name in TRAINING_FILES + LORA_FILES if launch_text(name) not in ran] == []
@@ -286,13 +289,22 @@ def test_a_sites_copy_refuses_what_the_site_would(cluster, tmp_path, case):
     assert result.returncode != 0 and reason in result.stderr, result.stderr
 
 
-def test_data_job_prepares_the_corpus(cluster):
+def test_data_job_prepares_the_corpus_byte_for_byte_again(cluster, builtin_in_kit):
+    """The job builds data/builtin again, as `make` built it before the tests: the same bytes
+    (DESIGN.md section 4: the corpus is deterministic for a given environment)."""
+    corpus = KIT_ROOT / "data" / "builtin"
+    before = {p.name: p.read_bytes() for p in sorted(corpus.glob("*.npy"))}
+    submitted = time.time()
     job_id = submit(cluster, "batch-data.sh")
     status, _ = wait_for_job(cluster, job_id)
     log = (cluster["logs"] / f"batch-data.sh.{job_id}.out").read_text()
     assert status == 0, log[-3000:]
     assert "prepared builtin in data/builtin" in log
-    assert data.read_meta(KIT_ROOT / "data" / "builtin")["splits"]["train"]["tokens"] > 500_000
+    assert data.read_meta(corpus)["splits"]["train"]["tokens"] > 500_000
+    after = {p.name: p.read_bytes() for p in sorted(corpus.glob("*.npy"))}
+    assert before and list(after) == list(before)
+    assert all((corpus / name).stat().st_mtime > submitted for name in after)  # written anew
+    assert [name for name in before if after[name] != before[name]] == []
 
 
 def test_mlflow_ui_job_serves_the_tracking_store_on_loopback_only(cluster):
@@ -362,7 +374,7 @@ def lora_training(request, cluster, builtin_in_kit):
 def test_lora_jobs_fine_tune_alike_on_every_shape(lora_training):
     """`accelerate launch` on 1 and 2 nodes: every job finishes, saves the adapter and the merged
     model, and takes the same steps whatever its shape (no dropout, the same 32 examples)."""
-    reference = [r["loss"] for r in lora_training.result("batch-lora-1n1g.sh")[2]]
+    reference = [r["loss"] for r in lora_training.result("batch-lora-1n2g.sh")[2]]
     for name in LORA_RUNS:
         status, log, metrics, job = lora_training.result(name)
         assert status == 0, log[-3000:]

@@ -1,6 +1,7 @@
 """The ddp stage: its own training step on 2 processes computes the std stage's gradients and
 update for the same global batch; 2 processes follow the std run and resume after a pre-emption
-signal exactly where an uninterrupted run would be."""
+signal exactly where an uninterrupted run would be. `srun python train_gpt2_ddp.py` (ranks from
+Slurm's variables, no torchrun) runs under the test cluster's real srun (tests/test_slurm.py)."""
 import signal
 import subprocess
 import sys
@@ -11,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (ONE_THREAD, TWENTY_STEPS, expected_backends, kit_env, run_as_srun_tasks,
-                      run_stage, torchrun, torchrun_command)
+from conftest import (ONE_THREAD, TWENTY_STEPS, expected_backends, kit_env, run_stage, torchrun,
+                      torchrun_command)
 from coursekit import KIT_ROOT, runs
 from helpers import interrupt
 from test_stage_std import assert_identical, assert_same_run
@@ -99,19 +100,6 @@ def test_two_processes_follow_std_at_the_same_global_batch(two_process_run, std_
         assert ddp["loss"] == pytest.approx(std["loss"], abs=1e-4)
         assert ddp.get("val_loss", 0) == pytest.approx(std.get("val_loss", 0), abs=1e-4)
     assert runs.load_checkpoint(out)[0] == 20
-
-
-def test_srun_python_tasks_train_like_torchrun(builtin_data, tmp_path, two_process_run):
-    """`srun python train_gpt2_ddp.py`: no torchrun, the ranks come from SLURM_* variables."""
-    reference, _ = two_process_run
-    tasks = run_as_srun_tasks("train_gpt2_ddp.py", 2, *STEPS, "--data", builtin_data,
-                              "--out", tmp_path)
-    assert [task.returncode for task in tasks] == [0, 0], tasks[0].stderr[-3000:]
-    assert f"2 processes, backends {expected_backends()}\n" in tasks[0].stdout
-    assert "step" not in tasks[1].stdout  # rank 1 is silent
-    got, expected = runs.read_metrics(tmp_path), runs.read_metrics(reference)
-    assert [r["step"] for r in got] == list(range(1, 21))
-    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], abs=1e-6)
 
 
 def test_one_process_without_torchrun_is_the_std_run(builtin_data, tmp_path, std_twenty_steps):

@@ -1,9 +1,10 @@
 """The lit stage: Lightning runs the same model and data as std, on 2 CPU devices. That a run
 killed between checkpoints resumes from its own checkpoint exactly where an uninterrupted run
-would be, lesson 03 shows and asserts (its nbval run, tests/test_notebooks.py)."""
+would be, lesson 03 shows and asserts (its nbval run, tests/test_notebooks.py); under Slurm, the
+lit job's tasks are its processes, Lightning starting none of its own (tests/test_slurm.py)."""
 import pytest
 
-from conftest import ONE_THREAD, TWENTY_STEPS, kit_env, run_as_srun_tasks, run_stage
+from conftest import ONE_THREAD, TWENTY_STEPS, kit_env, run_stage
 from coursekit import runs, stages
 
 pytestmark = pytest.mark.stages
@@ -44,21 +45,6 @@ def test_two_devices_follow_std_at_the_same_global_batch(two_device_run, std_met
     assert [r["step"] for r in metrics if "val_loss" in r] == [10, 20]
     assert metrics[-1]["val_loss"] == pytest.approx(std_metrics[-1]["val_loss"], abs=1e-4)
     assert (out / "ckpt" / "last.ckpt").resolve().name == "step_00000020.ckpt"
-
-
-def test_srun_python_tasks_join_lightnings_slurm_environment(builtin_data, tmp_path,
-                                                            two_device_run):
-    """`srun python train_gpt2_lit.py --devices 2`: Lightning takes the ranks from Slurm and starts
-    no processes of its own; the run is the one Lightning's own launcher makes."""
-    reference, _ = two_device_run
-    tasks = run_as_srun_tasks(SCRIPT, 2, *STEPS, "--devices", "2", "--data", builtin_data,
-                              "--out", tmp_path)
-    assert [task.returncode for task in tasks] == [0, 0], tasks[0].stderr[-3000:]
-    assert "2 process(es) | DDPStrategy" in tasks[0].stdout and "step" not in tasks[1].stdout
-    assert "GLOBAL_RANK: 1, MEMBER: 2/2" in tasks[1].stderr  # the second task is rank 1
-    got, expected = runs.read_metrics(tmp_path), runs.read_metrics(reference)
-    assert [r["step"] for r in got] == list(range(1, 21))
-    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in expected], abs=1e-6)
 
 
 def test_one_device_has_the_std_first_loss(builtin_data, tmp_path, std_metrics):

@@ -20,11 +20,31 @@ TINY_PARAMETER_BYTES = 3_427_712 * 4  # fp32
 TIED_MATRIX_BYTES = 50_304 * 64 * 4  # the token embedding = the output head, vocab x width
 
 
-@pytest.mark.parametrize("nproc, schedule", [(2, "gpipe"), (2, "1f1b"), (4, "1f1b")])
-def test_a_pipeline_step_equals_the_single_process_step(nproc, schedule):
-    result = torchrun(nproc, KIT_ROOT / "tests" / "helpers" / "pp_check.py", PP_SCRIPT,
-                      schedule, 4)
-    report = json.loads(result.stdout.strip().splitlines()[-1])
+# the schedules each pipeline length is checked with (1F1B needs as many microbatches as stages)
+STEP_CHECKS = {2: SCHEDULES, 4: ["1f1b"]}
+
+
+@pytest.fixture(scope="module")
+def step_reports():
+    """{(processes, schedule): pp_check.py's report}, one launch per number of processes that
+    checks every schedule, made when a test first asks."""
+    reports = {}
+
+    def report(nproc, schedule):
+        if (nproc, schedule) not in reports:
+            result = torchrun(nproc, KIT_ROOT / "tests" / "helpers" / "pp_check.py", PP_SCRIPT,
+                              ",".join(STEP_CHECKS[nproc]), 4)
+            for line in result.stdout.strip().splitlines()[-len(STEP_CHECKS[nproc]):]:
+                checked = json.loads(line)
+                reports[nproc, checked["schedule"]] = checked
+        return reports[nproc, schedule]
+    return report
+
+
+@pytest.mark.parametrize("nproc, schedule", [(n, s) for n, schedules in STEP_CHECKS.items()
+                                             for s in schedules])
+def test_a_pipeline_step_equals_the_single_process_step(step_reports, nproc, schedule):
+    report = step_reports(nproc, schedule)
     assert (report["world_size"], report["schedule"]) == (nproc, schedule)
     assert report["names_covered_once"] and report["names_missing"] == []
     for difference in ("max_loss_diff", "max_logits_diff", "max_grad_diff", "grad_norm_diff"):
