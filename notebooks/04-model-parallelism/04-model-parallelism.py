@@ -467,7 +467,7 @@ for rank, (report, n) in enumerate(zip(pp_reports, TINY.pipeline_stage_parameter
 # blocks), and it would hide the bubble completely.
 #
 # To see the bubble itself, `bubble_demo.py` next to this notebook builds a pipeline of equal
-# stages: 8 identical layers, cut into one stage per process, trained with GPipe on 1,024
+# stages: 8 identical layers, cut into one stage per process, trained with GPipe on 512
 # samples per step split into $m$ microbatches. It times the same steps on **one** process (one
 # stage: no bubble) and on **two** (two stages), each process computing with one thread. With
 # no bubble and no communication, two stages would take half the time of one; the measured idle
