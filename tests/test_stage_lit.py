@@ -10,7 +10,6 @@ from coursekit import runs, stages
 pytestmark = pytest.mark.stages
 SCRIPT = "train_gpt2_lit.py"
 STEPS = TWENTY_STEPS  # on the CPU even where a GPU is present: 2 devices, one machine
-lit = stages.load("lit")
 
 
 def run_lit(*args, **kwargs):
@@ -65,6 +64,7 @@ BAD_CHOICES = [
 def parse_error(capsys, *args):
     """(exit status, stderr) of the script's own argument parsing, in this process: the first
     thing main() does, before Lightning starts anything."""
+    lit = stages.load("lit")  # here, not at collection: importing Lightning takes seconds
     with pytest.raises(SystemExit) as stopped:
         lit.parse_args(list(map(str, args)))
     return stopped.value.code, capsys.readouterr().err

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from mlflow import MlflowClient
 
 from conftest import free_port, kit_env, run_stage
 from coursekit import KIT_ROOT, runs
@@ -30,6 +29,8 @@ def tracked_run(script, out, data, *extra, env=None):
 
 
 def mlflow_run(run_dir):
+    from mlflow import MlflowClient  # here, not at collection: importing MLflow takes seconds
+
     saved = json.loads((Path(run_dir) / "tracking.json").read_text())
     client = MlflowClient(saved["tracking_uri"])
     return client, client.get_run(saved["run_id"])
