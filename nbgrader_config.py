@@ -4,6 +4,8 @@
     nbgrader autograde 01-single-gpu-gpt    grade submitted/<student>/01-single-gpu-gpt/*.ipynb
     nbgrader formgrader (in JupyterLab)     manual grading and feedback
 """
+from pathlib import Path
+
 from coursekit import grading
 
 c = get_config()  # noqa: F821 (provided by nbgrader when it loads this file)
@@ -15,7 +17,11 @@ c.CourseDirectory.autograded_directory = "autograded"
 c.CourseDirectory.feedback_directory = "feedback"
 # The jupytext pair of a lesson holds its solutions: only the notebook is released.
 c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedback", "runs",
-                            "[0-9][0-9]-*.py", "train_gpt2.py"]
+                            "[0-9][0-9]-*.py"]
+# A trainee's working copy of a stage script is graded (lesson 02), so autograde keeps the one
+# handed in, never the course root's own; `python -m coursekit assignments` releases none.
+c.Autograde.exclude_overwriting = {lesson: [grading.WORKING_COPY]
+                                   for lesson in grading.lessons(Path(__file__).parent)}
 c.ExecutePreprocessor.timeout = 600
 # Autograde runs only what grading needs: cells tagged "demo" (training runs, launches, plots of
 # runs) are not executed, and no graded cell may carry that tag (the kit's sanitising step).

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from throughput import machine
 
-from coursekit import KIT_ROOT, grading, runs
+from coursekit import KIT_ROOT, diffs, grading, runs, stages
 
 RESULTS = KIT_ROOT / "benchmarks" / "results" / "autograde.json"
 CLASS_SIZE = 80
@@ -28,14 +28,28 @@ def course_copy(root):
     """The kit's nbgrader course (config and lessons) in ``root``, student versions generated."""
     shutil.copy(KIT_ROOT / "nbgrader_config.py", root)
     shutil.copytree(KIT_ROOT / "notebooks", root / "notebooks",
-                    ignore=shutil.ignore_patterns("runs", ".ipynb_checkpoints"))
+                    ignore=shutil.ignore_patterns("runs", ".ipynb_checkpoints", grading.WORKING_COPY))
     grading.generate(root)
+
+
+def handed_in(root, lesson, kind, notebook):
+    """A submission folder: the notebook and, where the lesson grades it, the working copy
+    converted as the lesson asks (full marks) or as the lesson starts it (release)."""
+    folder = root / "handed-in" / lesson / kind
+    folder.mkdir(parents=True)
+    shutil.copy(notebook, folder / f"{lesson}.ipynb")
+    step = diffs.step_for_lesson(lesson) if lesson in grading.GRADED_WORKING_COPIES else None
+    if step:
+        stage = step.target if kind == "full_marks" else step.source
+        shutil.copy(stages.script_path(stage), folder / grading.WORKING_COPY)
+    return folder
 
 
 def seconds_per_submission(root, lesson, kind, notebook, copies):
     """Grade ``copies`` submissions of ``notebook`` in one autograde run; wall seconds / copies."""
     shutil.rmtree(root / "submitted", ignore_errors=True)  # only this kind's students
-    submissions = {f"{kind}-{number}": notebook for number in range(copies)}
+    folder = handed_in(root, lesson, kind, notebook)
+    submissions = {f"{kind}-{number}": folder for number in range(copies)}
     start = time.perf_counter()
     grading.autograde(root, lesson, submissions)
     return (time.perf_counter() - start) / copies

@@ -186,10 +186,11 @@ def check(root=KIT_ROOT):
 
 
 # --- a trainee's working copy --------------------------------------------------------------------
-def start_working_copy(lesson, root=KIT_ROOT):
-    """Copy the lesson's source stage to its working copy, unless the trainee already has one."""
+def start_working_copy(lesson, path=None, root=KIT_ROOT):
+    """Copy the lesson's source stage to its working copy (by default
+    notebooks/<lesson>/train_gpt2.py), unless the trainee already has one."""
     step = step_for_lesson(lesson)
-    path = working_copy_path(step, root)
+    path = Path(path) if path else working_copy_path(step, root)
     if not path.exists():
         shutil.copyfile(script_path(step.source, root), path)
     return path

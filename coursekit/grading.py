@@ -19,6 +19,11 @@ from coursekit import KitError
 
 #: The cell tag that autograde skips (nbgrader_config.py sets it as Execute.skip_cells_with_tag).
 DEMO_TAG = "demo"
+#: A lesson's working copy of a stage script (coursekit.diffs), kept next to its notebook. It is the
+#: trainee's own: a release has none, and autograde grades the one handed in with the notebook.
+WORKING_COPY = "train_gpt2.py"
+#: Lessons that grade the working copy handed in with the notebook: {lesson: that exercise's id}.
+GRADED_WORKING_COPIES = {"02-ddp": "conversion"}
 
 
 def lessons(root):
@@ -57,21 +62,26 @@ def nbgrader(root, *args):
 
 
 def generate(root):
-    """Student versions of every lesson into root/release/<lesson>/, in one nbgrader run."""
+    """Student versions of every lesson into root/release/<lesson>/, in one nbgrader run, without
+    the working copies that running the lessons in the course root leaves there."""
     nbgrader(root, "generate_assignment", "*", "--force")
-    return Path(root) / "release"
+    release = Path(root) / "release"
+    for working_copy in release.glob(f"*/{WORKING_COPY}"):
+        working_copy.unlink()
+    return release
 
 
 def autograde(root, lesson, submissions):
-    """Copy ``submissions`` ({student: notebook path}) of ``lesson`` into root/submitted/ and
-    autograde every submission of the lesson there in one nbgrader run, as an instructor does:
-    {student: {grade_id: (score, max)}} for the students given."""
+    """Copy ``submissions`` ({student: folder with <lesson>.ipynb and any file handed in with it,
+    such as a working copy}) of ``lesson`` into root/submitted/ and autograde every submission of
+    the lesson there in one nbgrader run, as an instructor does: {student: {grade_id: (score,
+    max)}} for the students given."""
     from nbgrader.api import Gradebook
 
-    for student, notebook in submissions.items():
+    for student, handed_in in submissions.items():
         folder = Path(root) / "submitted" / student / lesson
-        folder.mkdir(parents=True, exist_ok=True)
-        shutil.copy(notebook, folder / f"{lesson}.ipynb")
+        shutil.rmtree(folder, ignore_errors=True)
+        shutil.copytree(handed_in, folder)
     nbgrader(root, "autograde", lesson, "--force")
     with Gradebook(f"sqlite:///{Path(root).resolve()}/gradebook.db") as gradebook:
         return {student: {grade.name: (grade.score, grade.max_score) for grade in

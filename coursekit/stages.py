@@ -21,7 +21,14 @@ def load(stage, root=KIT_ROOT):
     path = script_path(stage, root)
     if not path.exists():
         raise KitError(f"no stage {stage!r}: stages in solutions/ are {', '.join(names(root))}")
-    spec = importlib.util.spec_from_file_location(path.stem, path)
+    return load_script(path)
+
+
+def load_script(path, name=None):
+    """Import any training script, a trainee's working copy for one, as a module (``name``, by
+    default the file's stem)."""
+    path = Path(path)
+    spec = importlib.util.spec_from_file_location(name or path.stem, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

@@ -1,27 +1,106 @@
 """nbgrader: student versions hold no solutions or hidden tests; autograde skips the demo cells
 and still grades right: the source scores full marks, the untouched student version zero on every
-graded cell, and leaving one exercise unsolved loses exactly that exercise's points."""
+graded cell, and leaving one exercise unsolved, or answering it by calling the kit's own function
+for the same thing, loses exactly that exercise's points."""
 import shutil
+import textwrap
 
 import jupytext
 import nbformat
 import pytest
 
-from coursekit import KIT_ROOT, KitError, grading
+from coursekit import KIT_ROOT, KitError, diffs, grading, stages
 
 pytestmark = pytest.mark.grading
 LESSONS = grading.lessons(KIT_ROOT)
 
+#: Answers that call the kit (or Optuna) for what the exercise asks: {lesson: {solution cell: its
+#: source}}. Each is graded in place of that exercise's solution and must score 0 on its tests.
+SHORTCUTS = {
+    "00-gpus-and-hpc": {
+        "speedup": """
+            from coursekit import scaling
+
+            def speedup(t1, tp):
+                return scaling.speedup(t1, tp)""",
+        "efficiency": """
+            from coursekit.scaling import efficiency as kit_efficiency
+
+            def efficiency(t1, tp, p):
+                return kit_efficiency(t1, tp, p)""",
+        "amdahl": """
+            from coursekit import scaling
+            amdahl_speedup = scaling.amdahl_speedup""",
+        "serial_fraction": """
+            from coursekit import scaling
+
+            def serial_fraction(t1, tp, p):
+                return scaling.karp_flatt(t1, tp, p)""",
+    },
+    "01-single-gpu-gpt": {
+        "tokens_per_step": """
+            from coursekit import scaling
+
+            def tokens_per_step(micro_batch, grad_accum, seq_len):
+                return scaling.tokens_per_step(micro_batch, grad_accum, seq_len)""",
+        "steps_per_epoch": """
+            from coursekit import scaling
+
+            def steps_per_epoch(dataset_tokens, micro_batch, grad_accum, seq_len):
+                return scaling.steps_per_epoch(dataset_tokens, micro_batch, grad_accum, seq_len)""",
+        "parameters": """
+            from coursekit import memory
+
+            def gpt2_parameters(n_layer, n_embd, vocab_size, block_size):
+                return memory.Model(n_layer, n_embd, 1, vocab_size, block_size).parameters""",
+        "flops": """
+            def flops_per_token(n_layer, n_embd, seq_len, vocab_size):
+                return perf.flops_per_token(n_layer, n_embd, seq_len, vocab_size)""",
+    },
+    "04-model-parallelism": {
+        "zero_bytes": """
+            from types import SimpleNamespace
+
+            def bytes_per_rank(n_params, strategy, world_size):
+                level = ["ddp", "zero1", "zero2", "fsdp"].index(strategy)
+                return memory.data_parallel_bytes(SimpleNamespace(parameters=n_params), level,
+                                                  world_size, "fp32")""",
+    },
+    "06-mlops": {
+        "sha256_manifest": """
+            def sha256_manifest(directory):
+                return runs.data_manifest(directory)["files"]""",
+    },
+    "07-hpo": {
+        "hyperband_brackets": """
+            def hyperband_brackets(min_resource, max_resource, eta):
+                pruner = optuna.pruners.HyperbandPruner(min_resource, max_resource, eta)
+                pruner._try_initialization(optuna.create_study(pruner=pruner))
+                budgets = [max_resource / eta**s for s in range(pruner._n_brackets - 1, -1, -1)]
+                return list(zip(pruner._trial_allocation_budgets, budgets))""",
+    },
+}
+
 
 @pytest.fixture(scope="module")
 def course(tmp_path_factory):
-    """A copy of the course root with the student versions generated, as `make assignments` does."""
+    """A copy of the course root with the student versions generated, as `make assignments` does.
+    Its lessons hold working copies, as they do once an instructor has run them in place."""
     root = tmp_path_factory.mktemp("course")
     shutil.copy(KIT_ROOT / "nbgrader_config.py", root)
     shutil.copytree(KIT_ROOT / "notebooks", root / "notebooks",
-                    ignore=shutil.ignore_patterns("runs", ".ipynb_checkpoints"))
+                    ignore=shutil.ignore_patterns("runs", ".ipynb_checkpoints", grading.WORKING_COPY))
+    for lesson in grading.GRADED_WORKING_COPIES:
+        diffs.start_working_copy(lesson, root / "notebooks" / lesson / grading.WORKING_COPY)
     grading.generate(root)
     return root
+
+
+def test_the_release_has_no_working_copy(course):
+    """Each trainee starts their own; autograde then grades the one handed in, not the course
+    root's (or the solution's handed-in copy would score 0: test_solution_scores_full_marks)."""
+    assert list((course / "notebooks").glob(f"*/{grading.WORKING_COPY}"))
+    assert not list((course / "release").glob(f"*/{grading.WORKING_COPY}"))
 
 
 def source_notebook(lesson):
@@ -43,6 +122,15 @@ def exercises(notebook):
     return found
 
 
+def with_shortcut(notebook, grade_id, source):
+    """A copy of ``notebook`` whose solution cell ``grade_id`` holds ``source``."""
+    copy = nbformat.from_dict(notebook)
+    for cell in nbgrader_cells(copy):
+        if cell.metadata.nbgrader.grade_id == grade_id:
+            cell.source = textwrap.dedent(source).strip()
+    return copy
+
+
 def with_cells_from(notebook, donor, grade_ids):
     """A copy of ``notebook`` whose cells ``grade_ids`` are the ``donor`` notebook's."""
     replacement = {c.metadata.nbgrader.grade_id: c for c in nbgrader_cells(donor)}
@@ -62,11 +150,24 @@ def with_graded_cells_tagged_demo(notebook):
     return copy
 
 
+def hand_in(folder, lesson, notebook, converted):
+    """A submission folder: the notebook and, for a lesson that grades it, the working copy,
+    converted to the lesson's target stage or as the lesson starts it."""
+    folder.mkdir()
+    nbformat.write(notebook, folder / f"{lesson}.ipynb")
+    if lesson in grading.GRADED_WORKING_COPIES:
+        step = diffs.step_for_lesson(lesson)
+        stage = step.target if converted else step.source
+        shutil.copy(stages.script_path(stage), folder / grading.WORKING_COPY)
+    return folder
+
+
 @pytest.fixture(scope="module")
 def graded(course, tmp_path_factory):
     """Per lesson, graded once when a test first asks: (exercises, {student: scores}) for the
     source notebook ("solution"), the release ("blank") and, for each exercise, the source with
-    that exercise's solution cell put back as released ("without-<id>")."""
+    that exercise's solution put back as released ("without-<id>") or, where the kit computes the
+    same thing, replaced by a call to the kit ("shortcut-<id>")."""
     results = {}
 
     def grade(lesson):
@@ -76,15 +177,19 @@ def graded(course, tmp_path_factory):
             release = nbformat.read(course / "release" / lesson / f"{lesson}.ipynb", as_version=4)
             notebooks = {"solution": source, "blank": release}
             for exercise in exercises(source):
-                notebooks[f"without-{exercise}"] = with_cells_from(source, release, {exercise})
+                if exercise in SHORTCUTS.get(lesson, {}):
+                    notebooks[f"shortcut-{exercise}"] = with_shortcut(
+                        source, exercise, SHORTCUTS[lesson][exercise])
+                else:
+                    notebooks[f"without-{exercise}"] = with_cells_from(source, release, {exercise})
             if lesson == LESSONS[0]:  # the sanitising step is the same for every lesson
                 notebooks["blank-tests-tagged-demo"] = with_graded_cells_tagged_demo(release)
-            paths = {}
-            for student, notebook in notebooks.items():
-                paths[student] = folder / f"{student}.ipynb"
-                nbformat.write(notebook, paths[student])
+            unconverted = {"blank", f"without-{grading.GRADED_WORKING_COPIES.get(lesson)}"}
+            submissions = {student: hand_in(folder / student, lesson, notebook,
+                                            converted=student not in unconverted)
+                           for student, notebook in notebooks.items()}
             try:
-                results[lesson] = exercises(source), grading.autograde(course, lesson, paths)
+                results[lesson] = exercises(source), grading.autograde(course, lesson, submissions)
             except KitError as failure:  # nbgrader failed: every test of the lesson reports it
                 results[lesson] = failure
         if isinstance(results[lesson], KitError):
@@ -144,11 +249,12 @@ def test_untouched_student_version_scores_zero(graded, lesson):
 
 
 @pytest.mark.parametrize("lesson", LESSONS)
-def test_one_unsolved_exercise_loses_exactly_its_points(graded, lesson):
+def test_one_unsolved_or_shortcut_exercise_loses_exactly_its_points(graded, lesson):
     exercise_cells, scores = graded(lesson)
     assert len(exercise_cells) >= 3
+    assert set(SHORTCUTS.get(lesson, {})) <= set(exercise_cells)
     for exercise, its_tests in exercise_cells.items():
-        got = scores[f"without-{exercise}"]
+        got = scores.get(f"without-{exercise}") or scores[f"shortcut-{exercise}"]
         expected = {cell: (0 if cell in its_tests else maximum) for cell, (_, maximum) in got.items()}
         assert its_tests and {cell: score for cell, (score, _) in got.items()} == expected, exercise
 

@@ -126,7 +126,8 @@ plt.show()
 # on 1 GPU and 22 hours on 4 has a speedup of 3.64 and an efficiency of 91%: 9% of the four GPUs'
 # time went into communication, waiting, or work that was not split.
 #
-# **Exercise 2.** Write `speedup(t1, tp)` and `efficiency(t1, tp, p)`.
+# **Exercise 2.** Write `speedup(t1, tp)`, then `efficiency(t1, tp, p)`. Each is graded on its
+# own.
 
 # %% nbgrader={"grade": false, "grade_id": "speedup", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def speedup(t1, tp):
@@ -135,19 +136,32 @@ def speedup(t1, tp):
     ### END SOLUTION
 
 
+# %% nbgrader={"grade": true, "grade_id": "speedup_tests", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+assert abs(speedup(80, 22) - 3.636) < 1e-3
+### BEGIN HIDDEN TESTS
+from coursekit import exercise, scaling
+
+with exercise.own_work(scaling.speedup, scaling.efficiency):
+    assert abs(speedup(100, 100) - 1.0) < 1e-12
+    assert abs(speedup(3, 12) - 0.25) < 1e-12  # slower on more processors: a speedup below 1
+### END HIDDEN TESTS
+
+
+# %% nbgrader={"grade": false, "grade_id": "efficiency", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def efficiency(t1, tp, p):
     ### BEGIN SOLUTION
-    return speedup(t1, tp) / p
+    return t1 / tp / p
     ### END SOLUTION
 
 
-# %% nbgrader={"grade": true, "grade_id": "speedup_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-assert abs(speedup(80, 22) - 3.636) < 1e-3
+# %% nbgrader={"grade": true, "grade_id": "efficiency_tests", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
 assert abs(efficiency(80, 22, 4) - 0.909) < 1e-3
 ### BEGIN HIDDEN TESTS
-assert abs(speedup(100, 100) - 1.0) < 1e-12
-assert abs(efficiency(64, 1, 64) - 1.0) < 1e-12
-assert abs(efficiency(10, 4, 8) - 0.3125) < 1e-12
+from coursekit import exercise, scaling
+
+with exercise.own_work(scaling.speedup, scaling.efficiency):
+    assert abs(efficiency(64, 1, 64) - 1.0) < 1e-12
+    assert abs(efficiency(10, 4, 8) - 0.3125) < 1e-12
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -160,7 +174,7 @@ assert abs(efficiency(10, 4, 8) - 0.3125) < 1e-12
 #
 # Even 5% serial work caps the speedup at 20, however many GPUs you buy.
 #
-# **Exercise 3.** Write `amdahl_speedup(serial_fraction, p)`, and `serial_fraction(t1, tp, p)`,
+# **Exercise 3.** Write `amdahl_speedup(serial_fraction, p)`, then `serial_fraction(t1, tp, p)`,
 # which inverts it: the serial fraction that explains a measured pair of times (the Karp-Flatt
 # metric). For the 80 h / 22 h example it is 3.3%.
 
@@ -171,20 +185,33 @@ def amdahl_speedup(serial_fraction, p):
     ### END SOLUTION
 
 
+# %% nbgrader={"grade": true, "grade_id": "amdahl_tests", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+assert abs(amdahl_speedup(0.05, 10**9) - 20) < 1e-6
+assert abs(amdahl_speedup(0.0, 8) - 8) < 1e-12
+### BEGIN HIDDEN TESTS
+from coursekit import exercise, scaling
+
+with exercise.own_work(scaling.amdahl_speedup, scaling.karp_flatt):
+    assert abs(amdahl_speedup(1.0, 64) - 1.0) < 1e-12
+    assert abs(amdahl_speedup(0.1, 4) - 1 / 0.325) < 1e-12
+### END HIDDEN TESTS
+
+
+# %% nbgrader={"grade": false, "grade_id": "serial_fraction", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def serial_fraction(t1, tp, p):
     ### BEGIN SOLUTION
     return (tp / t1 - 1 / p) / (1 - 1 / p)
     ### END SOLUTION
 
 
-# %% nbgrader={"grade": true, "grade_id": "amdahl_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-assert abs(amdahl_speedup(0.05, 10**9) - 20) < 1e-6
-assert abs(amdahl_speedup(0.0, 8) - 8) < 1e-12
+# %% nbgrader={"grade": true, "grade_id": "serial_fraction_tests", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
 assert abs(serial_fraction(80, 22, 4) - 0.0333) < 1e-4
 ### BEGIN HIDDEN TESTS
-assert abs(amdahl_speedup(1.0, 64) - 1.0) < 1e-12
-assert abs(amdahl_speedup(0.1, 4) - 1 / 0.325) < 1e-12
-assert abs(serial_fraction(100, 100 * amdahl_speedup(0.2, 16) ** -1, 16) - 0.2) < 1e-12
+from coursekit import exercise, scaling
+
+with exercise.own_work(scaling.amdahl_speedup, scaling.karp_flatt):
+    assert abs(serial_fraction(100, 25, 16) - 0.2) < 1e-12  # 100 h at s = 0.2 on 16: 20 + 80/16 h
+    assert abs(serial_fraction(60, 60, 8) - 1.0) < 1e-12
 ### END HIDDEN TESTS
 
 # %% tags=["demo"]
@@ -312,12 +339,12 @@ else:
 # To start this course's JupyterLab:
 #
 # 1. Log in to your centre's Open OnDemand address with your cluster account.
-# 2. Choose **Interactive Apps → JupyterLab** (or the course's own app, if your instructor
+# 2. Choose *Interactive Apps → JupyterLab* (or the course's own app, if your instructor
 #    installed it).
 # 3. Fill in the form: account/project, partition, number of hours, number of GPUs (1-4), and the
 #    course environment or kernel ("GPT course").
-# 4. **Launch**. The request waits in the Slurm queue like any job; when it starts, press
-#    **Connect to Jupyter**.
+# 4. *Launch*. The request waits in the Slurm queue like any job; when it starts, press
+#    *Connect to Jupyter*.
 # 5. Open this notebook and check that the first cell lists your GPUs.
 #
 # The session *is* a Slurm job: it ends when its time is up, and anything larger than the

@@ -67,7 +67,7 @@ LONGER_RUNS = torch.cuda.is_available()
 #   GPUs, from lesson 02).
 # - **Epoch**: one pass over the data set.
 #
-# The identity that ties them: **tokens = steps × B × grad_accum × T**.
+# The identity that ties them: *tokens = steps × B × grad_accum × T*.
 
 # %%
 encoding = data.gpt2_encoding()
@@ -77,30 +77,43 @@ print(ids)
 print([encoding.decode([i]) for i in ids])
 
 # %% [markdown]
-# **Exercise 1.** Write `tokens_per_step(micro_batch, grad_accum, seq_len)` and
+# **Exercise 1.** Write `tokens_per_step(micro_batch, grad_accum, seq_len)`, then
 # `steps_per_epoch(dataset_tokens, micro_batch, grad_accum, seq_len)` (whole steps only). GPT-2
 # 124M takes 524,288 tokens per step with $B = 64$ and $T = 1024$: `grad_accum` 8 on one GPU.
 
-# %% nbgrader={"grade": false, "grade_id": "batch_arithmetic", "locked": false, "schema_version": 3, "solution": true, "task": false}
+# %% nbgrader={"grade": false, "grade_id": "tokens_per_step", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def tokens_per_step(micro_batch, grad_accum, seq_len):
     ### BEGIN SOLUTION
     return micro_batch * grad_accum * seq_len
     ### END SOLUTION
 
 
+# %% nbgrader={"grade": true, "grade_id": "tokens_per_step_tests", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+assert tokens_per_step(64, 8, 1024) == 524_288
+### BEGIN HIDDEN TESTS
+from coursekit import exercise, scaling
+
+with exercise.own_work(scaling.tokens_per_step, scaling.steps_per_epoch):
+    assert tokens_per_step(4, 2, 128) == 1024
+    assert tokens_per_step(1, 1, 1) == 1
+### END HIDDEN TESTS
+
+
+# %% nbgrader={"grade": false, "grade_id": "steps_per_epoch", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def steps_per_epoch(dataset_tokens, micro_batch, grad_accum, seq_len):
     ### BEGIN SOLUTION
-    return dataset_tokens // tokens_per_step(micro_batch, grad_accum, seq_len)
+    return dataset_tokens // (micro_batch * grad_accum * seq_len)
     ### END SOLUTION
 
 
-# %% nbgrader={"grade": true, "grade_id": "batch_arithmetic_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-assert tokens_per_step(64, 8, 1024) == 524_288
+# %% nbgrader={"grade": true, "grade_id": "steps_per_epoch_tests", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
 assert steps_per_epoch(10_000_000_000, 64, 8, 1024) == 19_073
 ### BEGIN HIDDEN TESTS
-assert tokens_per_step(4, 2, 128) == 1024
-assert steps_per_epoch(1023, 4, 2, 128) == 0
-assert steps_per_epoch(725_882, 4, 2, 128) == 708
+from coursekit import exercise, scaling
+
+with exercise.own_work(scaling.tokens_per_step, scaling.steps_per_epoch):
+    assert steps_per_epoch(1023, 4, 2, 128) == 0
+    assert steps_per_epoch(725_882, 4, 2, 128) == 708
 ### END HIDDEN TESTS
 
 # %%
@@ -130,7 +143,7 @@ widgets.batch_calculator()
 #   Attention lets each position read from earlier ones (`is_causal=True` hides later ones); the
 #   MLP ($d \to 4d \to d$) works on each position alone.
 # - A last LayerNorm and the **language-model head**, a $d \times V$ matrix that turns each
-#   position's vector into a score (logit) for every token. GPT-2 **ties** it to `wte`: the same
+#   position's vector into a score (logit) for every token. GPT-2 *ties* it to `wte`: the same
 #   matrix reads tokens in and writes them out.
 
 # %%
@@ -166,8 +179,12 @@ assert gpt2_parameters(12, 768, 50257, 1024) == 124_439_808
 assert gpt2_parameters(config.n_layer, config.n_embd, config.vocab_size, config.block_size) == \
     sum(p.numel() for p in model.parameters())
 ### BEGIN HIDDEN TESTS
-assert gpt2_parameters(12, 768, 50304, 1024) == 124_475_904
-assert gpt2_parameters(0, 8, 10, 4) == 10 * 8 + 4 * 8 + 16
+from coursekit import exercise, memory
+
+with exercise.own_work(memory.Model.parameters.fget, memory.Model.block_parameters.fget,
+                       memory.Model.embedding_parameters.fget):
+    assert gpt2_parameters(12, 768, 50304, 1024) == 124_475_904
+    assert gpt2_parameters(0, 8, 10, 4) == 10 * 8 + 4 * 8 + 16
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -319,8 +336,12 @@ def flops_per_token(n_layer, n_embd, seq_len, vocab_size):
 # %% nbgrader={"grade": true, "grade_id": "flops_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 assert flops_per_token(12, 768, 1024, 50304) == 854_654_976
 ### BEGIN HIDDEN TESTS
-assert flops_per_token(4, 64, 128, 50304) == perf.flops_per_token(4, 64, 128, 50304)
-assert flops_per_token(1, 1, 1, 1) == 6 * 13 + 12
+from coursekit import exercise
+
+expected = perf.flops_per_token(4, 64, 128, 50304)
+with exercise.own_work(perf.flops_per_token, perf.matmul_params):
+    assert flops_per_token(4, 64, 128, 50304) == expected
+    assert flops_per_token(1, 1, 1, 1) == 6 * 13 + 12
 ### END HIDDEN TESTS
 
 # %% tags=["demo"]
@@ -338,7 +359,7 @@ print(f"{fpt / 1e6:.1f} MFLOP per token x {median_tokens_per_s:,.0f} tokens/s = 
 # - **Memory-bound operations.** LayerNorm, GELU, softmax and the optimiser move many bytes per
 #   FLOP; `torch.compile` fuses them, and flash attention avoids writing the $T \times T$ matrix.
 # - **Precision.** Tensor cores reach their peak in bf16; fp32 matmuls run at a fraction of it.
-# - **Everything outside the GPU**: Python overhead, data loading, logging and, from lesson 02 on,
+# - *Everything outside the GPU*: Python overhead, data loading, logging and, from lesson 02 on,
 #   communication between GPUs.
 #
 # Good GPT-2 runs on A100s and H100s reach 35-50%.

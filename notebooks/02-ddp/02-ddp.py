@@ -23,7 +23,8 @@
 # - split the data across ranks so that $N$ processes read what one process would have read;
 # - turn the single-device script into the DDP script hunk by hunk, and check your copy;
 # - launch `torchrun` from a notebook and compare 1 and $N$ processes at the same global batch;
-# - compute speedup and efficiency for strong and weak scaling from a run's own tokens/s;
+# - measure strong and weak scaling from a run's own tokens/s, and tell from a run's evidence
+#   whether the network, the input pipeline or too little work per GPU limits it;
 # - scale the learning rate with the batch, with warm-up, and say why large batches can
 #   generalise worse.
 #
@@ -50,6 +51,8 @@ DATA = KIT_ROOT / "data" / "builtin"
 if not (DATA / "meta.json").exists():  # the offline corpus: built in seconds, once
     data.prepare_builtin(DATA)
 std, ddp = stages.load("std"), stages.load("ddp")  # solutions/train_gpt2_{std,ddp}.py
+LESSON = "02-ddp"
+WORKING_COPY = Path("train_gpt2.py").resolve()  # yours, next to this notebook: handed in with it
 tiny = presets.get_preset("tiny")
 TORCHRUN = str(Path(sys.executable).parent / "torchrun")  # installed next to this kernel's python
 print(f"torch {torch.__version__}; GPUs visible: {torch.cuda.device_count()}")
@@ -131,7 +134,7 @@ print(demo.stdout)
 # reverse order of the forward pass, and starts all-reducing a bucket as soon as backward has
 # produced all its gradients, while backward carries on with earlier layers. Only the last bucket
 # is waited for. Two consequences you will see in the script:
-# - with gradient accumulation, the all-reduce is only needed after the **last** microbatch;
+# - with gradient accumulation, the all-reduce is only needed after the *last* microbatch;
 #   `model.no_sync()` skips it for the others;
 # - every rank must run the same backward passes in the same order, or the buckets never fill and
 #   the job hangs.
@@ -256,12 +259,11 @@ print("ranks 0 and 1 together == one process with B=8:", torch.equal(together, o
 # 11. rank 0 alone writes metrics, checkpoints and the sample; a stop signal that all ranks agree
 #     on; a clean shutdown of the process group.
 #
-# Start your working copy, `train_gpt2.py` in this folder, from the std stage (an existing copy is
-# kept), then read the hunks.
+# Start your working copy, `train_gpt2.py` in this notebook's folder, from the std stage (an
+# existing copy is kept), then read the hunks.
 
 # %% tags=["demo"]
-LESSON = "02-ddp"
-working_copy = diffs.start_working_copy(LESSON)
+working_copy = diffs.start_working_copy(LESSON, WORKING_COPY)
 patch_text = diffs.patch_path(diffs.step_for_lesson(LESSON)).read_text()
 added, removed = diffs.counts(patch_text)
 print(f"{working_copy.name}: {len(working_copy.read_text().splitlines())} lines; "
@@ -272,23 +274,64 @@ for hunk in diffs.hunks(LESSON):
 # %% [markdown]
 # Open `train_gpt2.py` in the editor (File → Open, or the file browser) and make the changes one
 # hunk at a time: lines with `-` go, lines with `+` come in. After each, run the next cell. It
-# reports every hunk as **applied**, **not yet applied** (the old lines are still there) or
-# **conflicting** (neither: it shows your lines with `-` and the expected ones with `+`). The same
-# check from a terminal: `python -m coursekit diffs status --lesson 02-ddp`.
+# reports every hunk as *applied*, *not yet applied* (the old lines are still there) or
+# *conflicting* (neither: it shows your lines with `-` and the expected ones with `+`). The same
+# check from a terminal in this folder: `python -m coursekit diffs status --lesson 02-ddp --file
+# train_gpt2.py`.
 
 # %% tags=["demo"]
-print(diffs.report(LESSON, diffs.status(LESSON)))
+print(diffs.report(LESSON, diffs.status(LESSON, WORKING_COPY)))
 
 # %% [markdown]
-# Stuck on a hunk? `python -m coursekit diffs apply --lesson 02-ddp --hunk N`, or the cell
-# below, applies one hunk whose old lines are still in place (here the imports, hunk 2) and
-# leaves the rest to you.
+# Stuck on a hunk? `python -m coursekit diffs apply --lesson 02-ddp --hunk N --file
+# train_gpt2.py`, or the cell below, applies one hunk whose old lines are still in place (here
+# the imports, hunk 2) and leaves the rest to you.
 
 # %% tags=["demo"]
-imports = diffs.status(LESSON)[1]
+imports = diffs.status(LESSON, WORKING_COPY)[1]
 if imports.state == "not yet applied":
-    diffs.apply_hunk(LESSON, imports.hunk.number)
-print(diffs.report(LESSON, diffs.status(LESSON)).splitlines()[-1])
+    diffs.apply_hunk(LESSON, imports.hunk.number, WORKING_COPY)
+print(diffs.report(LESSON, diffs.status(LESSON, WORKING_COPY)).splitlines()[-1])
+
+# %% [markdown]
+# **Exercise 3: the conversion.** Make every hunk in `train_gpt2.py`, in the editor. Your answer
+# is that file, handed in with this notebook: delete the `raise NotImplementedError()` of the
+# next cell, which has nothing for you to write, and run the test after it. The test checks that
+# every hunk is applied; when grading, it also trains your script for 10 steps and compares its
+# losses with those of `solutions/train_gpt2_ddp.py`.
+
+# %% nbgrader={"grade": false, "grade_id": "conversion", "locked": false, "schema_version": 3, "solution": true, "task": false}
+# Your work for this exercise is in train_gpt2.py.
+### BEGIN SOLUTION
+for found in diffs.status(LESSON, WORKING_COPY):  # what the work in the editor amounts to
+    if found.state == "not yet applied":
+        diffs.apply_hunk(LESSON, found.hunk.number, WORKING_COPY)
+### END SOLUTION
+
+# %% nbgrader={"grade": true, "grade_id": "conversion_tests", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+statuses = diffs.status(LESSON, WORKING_COPY)
+print(diffs.report(LESSON, statuses))
+assert all(found.state == "applied" for found in statuses), "the report above lists what is left"
+### BEGIN HIDDEN TESTS
+import contextlib  # noqa: E402
+import io  # noqa: E402
+
+
+def ten_step_losses(script, name):
+    """Train ``script`` (a module) for 10 small steps in this process; its losses."""
+    out = Path("runs") / name
+    shutil.rmtree(out, ignore_errors=True)
+    with contextlib.redirect_stdout(io.StringIO()):
+        script.main(["--preset", "tiny", "--device", "cpu", "--data", str(DATA), "--out", str(out),
+                     "--max-steps", "10", "--micro-batch", "1", "--batch-tokens", "256",
+                     "--eval-steps", "1", "--sample-tokens", "0"])
+    return [record["loss"] for record in runs.read_metrics(out)]
+
+
+yours = ten_step_losses(stages.load_script(WORKING_COPY, "trainee_train_gpt2"), "conversion-yours")
+solution = ten_step_losses(ddp, "conversion-solution")
+assert len(yours) == 10 and all(abs(a - b) <= 1e-6 for a, b in zip(yours, solution)), (yours, solution)
+### END HIDDEN TESTS
 
 # %% [markdown]
 # ## Launching: 1 process and $N$ processes at the same global batch
@@ -303,7 +346,7 @@ print(diffs.report(LESSON, diffs.status(LESSON)).splitlines()[-1])
 # should agree to rounding: that is the proof that the DDP script trains the same model.
 
 # %% tags=["demo"]
-SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_ddp.py"
+SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_ddp.py"  # or WORKING_COPY: yours
 GPUS = torch.cuda.device_count()
 NPROC, DEVICE = (GPUS, "auto") if GPUS >= 2 else (2, "cpu")  # two ranks cannot share one GPU
 MICROBATCH_TOKENS = tiny.micro_batch * tiny.seq_len
@@ -352,38 +395,14 @@ print(f"largest loss difference over {len(one)} steps: "
 # - **Strong scaling**: the same job (the same global batch) on $N$ processes. Speedup
 #   $S = \text{throughput}_N / \text{throughput}_1$, efficiency $E = S / N$. Each process does
 #   $1/N$ of the work, so fixed costs (communication, Python, small kernels) weigh more and more.
-# - **Weak scaling**: the same work **per process** (one microbatch each), so the global batch
+# - **Weak scaling**: the same work *per process* (one microbatch each), so the global batch
 #   grows with $N$. Efficiency $E_w = \text{throughput}_N / (N \times \text{throughput}_1)$ with
 #   the 1-process run at one microbatch per step. This is how data parallelism is normally used:
 #   more GPUs, bigger global batch.
 #
 # Throughput is tokens per second, the median of the steps after a short warm-up, from each run's
-# own `metrics.jsonl`.
-#
-# **Exercise 3.** Write `strong_scaling(tok_s_1, tok_s_n, n)` returning `(speedup, efficiency)`
-# and `weak_scaling_efficiency(tok_s_1, tok_s_n, n)`.
-
-# %% nbgrader={"grade": false, "grade_id": "scaling", "locked": false, "schema_version": 3, "solution": true, "task": false}
-def strong_scaling(tok_s_1, tok_s_n, n):
-    ### BEGIN SOLUTION
-    speedup = tok_s_n / tok_s_1
-    return speedup, speedup / n
-    ### END SOLUTION
-
-
-def weak_scaling_efficiency(tok_s_1, tok_s_n, n):
-    ### BEGIN SOLUTION
-    return tok_s_n / (n * tok_s_1)
-    ### END SOLUTION
-
-
-# %% nbgrader={"grade": true, "grade_id": "scaling_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-assert strong_scaling(1000.0, 3600.0, 4) == (3.6, 0.9)
-assert weak_scaling_efficiency(1000.0, 7600.0, 8) == 0.95
-### BEGIN HIDDEN TESTS
-assert strong_scaling(500.0, 500.0, 2) == (1.0, 0.5)
-assert weak_scaling_efficiency(250.0, 250.0, 1) == 1.0
-### END HIDDEN TESTS
+# own `metrics.jsonl`. Lesson 00's speedup and efficiency apply, with throughputs in place of
+# times.
 
 # %% [markdown]
 # The weak-scaling baseline is one process at one microbatch per step. It runs twice as many
@@ -397,8 +416,9 @@ def throughput(metrics, warmup=5):
     return statistics.median(r["tok_per_s"] for r in metrics[warmup:])
 
 
-speedup, efficiency = strong_scaling(throughput(one), throughput(many), NPROC)
-weak = weak_scaling_efficiency(throughput(small_batch), throughput(many), NPROC)
+speedup = throughput(many) / throughput(one)  # the same steps: time 1 / time N
+efficiency = speedup / NPROC
+weak = throughput(many) / (NPROC * throughput(small_batch))  # N times the work per step
 device = "GPUs" if DEVICE == "auto" else "CPU processes"
 print(f"{'1 process, ' + f'{GLOBAL_BATCH:,}-token steps':36s} {throughput(one):8,.0f} tok/s")
 print(f"{f'{NPROC} {device}, the same steps':36s} {throughput(many):8,.0f} tok/s -> strong scaling: "
@@ -423,6 +443,40 @@ widgets.scaling_calculator({1: 1 / throughput(one), NPROC: 1 / throughput(many)}
 # lesson is the method: run this section in a GPU session or batch job, measure tokens/s at 1 and
 # $N$, compute $S$ and $E$, and find out what the difference costs before asking for more GPUs.
 #
+# A low efficiency says that something limits the run, not what. Three kinds of evidence say
+# what: tokens/s at 1 and $N$ GPUs, as above; how busy the GPUs were (`nvidia-smi`); and where a
+# step's time went (the profiler of lesson 06). Here are four runs, with figures of the kind such
+# runs show:
+#
+# | run | GPUs | tok/s, 1 GPU | tok/s, $N$ GPUs | GPUs busy | where a step's time goes at $N$ GPUs |
+# |---|---|---|---|---|---|
+# | A | 4, one node, NVLink | 110,000 | 422,000 | 97% | forward and backward 91%, optimiser 6%, all-reduce not hidden by backward 3% |
+# | B | 16, 4 nodes, 10 Gb/s Ethernet | 110,000 | 520,000 | 30% | forward and backward 33%, waiting for the all-reduce after backward 62% |
+# | C | 4, one node; the job asked for 2 CPU cores | 110,000 | 150,000 | 31% | waiting for the next batch from the data loader 66%, forward and backward 30% |
+# | D | 8, one node; a 10M-parameter model, one 128-token sample per GPU | 9,000 | 14,000 | 20% | 2.1 ms steps: kernels 0.4 ms, all-reduce 0.3 ms, the rest Python and kernel launches |
+#
+# **Exercise 4: what limits each run?** Answer `"scales well"`, `"network"`, `"input pipeline"`
+# or `"too little work per GPU"` for each.
+
+# %% nbgrader={"grade": false, "grade_id": "limits", "locked": false, "schema_version": 3, "solution": true, "task": false}
+limit = {"A": None, "B": None, "C": None, "D": None}
+### BEGIN SOLUTION
+limit = {"A": "scales well",  # 96% efficiency, the all-reduce hidden behind backward
+         "B": "network",  # busy 30%, 62% of each step waiting for gradients across Ethernet
+         "C": "input pipeline",  # idle GPUs waiting on the data loader with two cores to run it
+         "D": "too little work per GPU"}  # fixed costs per step dwarf 0.4 ms of kernels
+### END SOLUTION
+
+# %% nbgrader={"grade": true, "grade_id": "limits_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+assert set(limit) == {"A", "B", "C", "D"}
+assert all(answer in ("scales well", "network", "input pipeline", "too little work per GPU")
+           for answer in limit.values()), "answer with one of the four phrases"
+### BEGIN HIDDEN TESTS
+assert limit == {"A": "scales well", "B": "network", "C": "input pipeline",
+                 "D": "too little work per GPU"}
+### END HIDDEN TESTS
+
+# %% [markdown]
 # ## Large batches: learning rate, warm-up and the generalisation gap
 #
 # Weak scaling multiplies the global batch by $N$. With the same number of tokens the run now
@@ -438,34 +492,6 @@ widgets.scaling_calculator({1: 1 / throughput(one), NPROC: 1 / throughput(many)}
 #   et al., 2017). GPT-2 124M's 0.5M tokens per step is well below the critical batch of language
 #   models; image classifiers hit it much sooner.
 #
-# **Exercise 4.** Write `scaled_learning_rate(base_lr, base_batch, batch, rule)` for
-# `rule` `"linear"` or `"sqrt"`; raise `ValueError` for any other rule.
-
-# %% nbgrader={"grade": false, "grade_id": "lr_scaling", "locked": false, "schema_version": 3, "solution": true, "task": false}
-def scaled_learning_rate(base_lr, base_batch, batch, rule):
-    ### BEGIN SOLUTION
-    factor = batch / base_batch
-    if rule == "linear":
-        return base_lr * factor
-    if rule == "sqrt":
-        return base_lr * factor**0.5
-    raise ValueError(f"rule {rule!r}: use 'linear' or 'sqrt'")
-    ### END SOLUTION
-
-
-# %% nbgrader={"grade": true, "grade_id": "lr_scaling_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-assert scaled_learning_rate(0.1, 256, 8192, "linear") == 3.2
-assert abs(scaled_learning_rate(6e-4, 524_288, 4 * 524_288, "sqrt") - 1.2e-3) < 1e-12
-### BEGIN HIDDEN TESTS
-assert scaled_learning_rate(1e-3, 512, 512, "sqrt") == 1e-3
-assert abs(scaled_learning_rate(1e-3, 1024, 256, "linear") - 2.5e-4) < 1e-15
-try:
-    scaled_learning_rate(1e-3, 512, 1024, "cubic")
-    raise AssertionError("an unknown rule must raise ValueError")
-except ValueError:
-    pass
-### END HIDDEN TESTS
-
 # %% [markdown]
 # Now the experiment, at the same number of tokens: the small batch (one microbatch per step)
 # at the preset's learning rate, the $N$-times larger batch at the same learning rate (the run
@@ -473,7 +499,7 @@ except ValueError:
 # compare the validation loss at the end.
 
 # %% tags=["demo"]
-scaled_lr = scaled_learning_rate(tiny.lr, MICROBATCH_TOKENS, GLOBAL_BATCH, "sqrt")
+scaled_lr = tiny.lr * (GLOBAL_BATCH / MICROBATCH_TOKENS) ** 0.5  # the square-root rule
 scaled = train(f"sqrt-lr-{NPROC}", NPROC, GLOBAL_BATCH, STEPS, "--lr", f"{scaled_lr:.6g}")
 tokens_seen = {"small batch": small_batch, "large batch, same lr": many, "large batch, sqrt lr": scaled}
 fig, ax = plt.subplots(figsize=(6, 3.5))

@@ -275,7 +275,7 @@ for flags in refusals:
 # ## Inside a notebook: `ddp_notebook`; from a script: `ddp`
 #
 # A Jupyter kernel is one long-lived process, so Lightning cannot start the script again once per
-# device as it does for `ddp`. `ddp_notebook` **forks** the kernel instead: the children share
+# device as it does for `ddp`. `ddp_notebook` *forks* the kernel instead: the children share
 # everything defined so far. Two rules follow: the work must happen inside `trainer.fit`, and
 # CUDA must not be initialised in the kernel before the fork. The stage script's `main` takes its
 # arguments as a list, so the kernel can run it directly, on 2 processes:
@@ -373,22 +373,23 @@ assert same or DEVICE != "cpu" and max(abs(a["loss"] - b["loss"]) for a, b in zi
 # ## Lightning under Slurm
 #
 # In a batch job, Slurm starts the processes and Lightning only joins them: one task per device,
-# with the Trainer's `devices` equal to `--ntasks-per-node` and `num_nodes` to `--nodes`.
-#
-# ```bash
-# #SBATCH --nodes=2
-# #SBATCH --ntasks-per-node=4        # one task per GPU
-# #SBATCH --gpus-per-node=4
-# #SBATCH --signal=SIGUSR1@90        # 90 s before the time limit
-# #SBATCH --requeue
-# srun python solutions/train_gpt2_lit.py --devices 4 --num-nodes 2 --resume
-# ```
-#
-# Lightning's `SLURMEnvironment` reads the ranks from `SLURM_PROCID`, `SLURM_LOCALID`,
-# `SLURM_NODEID` and `SLURM_NTASKS`, takes the first host of `SLURM_NODELIST` as the main address
-# and derives the port from the job id. On `SIGUSR1` it saves `hpc_ckpt_N.ckpt` in the run
-# directory and requeues the job itself; the script's `--resume` takes the newer of that and
-# `ckpt/last.ckpt`. Here is what it reads for rank 5 of a 2-node, 8-GPU job:
+# with the Trainer's `devices` equal to `--ntasks-per-node` and `num_nodes` to `--nodes`. Here is
+# the batch file the kit's generator writes for a generic cluster with 4 GPUs per node (the same
+# generator writes every site's, and the kit's tests run its CI site's on a real Slurm cluster):
+
+# %% tags=["demo"]
+lit_batch_file = (KIT_ROOT / "batchfiles" / "generic" / "batch-lit-2n4g.sh").read_text()
+print("\n".join(line for line in lit_batch_file.splitlines()
+                if line.startswith(("#SBATCH", "srun", "    ", "trap", "  scontrol"))))
+
+# %% [markdown]
+# Slurm sends `SIGUSR1` to the batch shell (`B:`) 180 s before the time limit; the shell passes
+# it on to every training process with `scancel --signal=USR1`. Lightning's `SLURMEnvironment`
+# reads the ranks from `SLURM_PROCID`, `SLURM_LOCALID`, `SLURM_NODEID` and `SLURM_NTASKS`, takes
+# the first host of `SLURM_NODELIST` as the main address and derives the port from the job id.
+# On `SIGUSR1` it saves `hpc_ckpt_N.ckpt` in the run directory, and the job is requeued; the
+# script's `--resume` takes the newer of that and `ckpt/last.ckpt`. Here is what it reads for
+# rank 5 of a 2-node, 8-GPU job:
 
 # %% tags=["demo"]
 from unittest import mock

@@ -72,12 +72,12 @@ print(f"torch {torch.__version__}; GPUs visible: {GPUS}")
 #
 # | precision | parameters | gradients | Adam $m, v$ | total |
 # |---|---|---|---|---|
-# | fp32 | 4 | 4 | 8 | **16** |
-# | bf16 mixed | 4 (fp32 master) + 2 (bf16 copy) | 4 (reduced in fp32) | 8 | **18** |
+# | fp32 | 4 | 4 | 8 | *16* |
+# | bf16 mixed | 4 (fp32 master) + 2 (bf16 copy) | 4 (reduced in fp32) | 8 | *18* |
 #
 # This is the kit's accounting for PyTorch's autocast, which its stages use: the parameters stay
 # fp32 and serve as the master copy, their gradients are fp32, and forward and backward use a
-# 16-bit copy of each weight. The ZeRO paper and DeepSpeed count **16** bytes for mixed precision
+# 16-bit copy of each weight. The ZeRO paper and DeepSpeed count *16* bytes for mixed precision
 # instead: 2 (16-bit parameters) + 2 (16-bit gradients) + 12 (fp32 master copy, $m$ and $v$),
 # because there the 16-bit weights are the model and the gradients are 16-bit. Same optimiser
 # state, different bookkeeping of the copies and gradients; compare like with like.
@@ -86,7 +86,7 @@ print(f"torch {torch.__version__}; GPUs visible: {GPUS}")
 # and the optimiser stay. GPT-2 124M needs about 2 GB for these three parts, which is nothing on
 # an 80 GB GPU; a 7-billion-parameter model needs about 126 GB, which fits no single GPU.
 #
-# **Activations** are what forward keeps for backward: about $34\,b\,T\,d$ **bytes** per block
+# **Activations** are what forward keeps for backward: about $34\,b\,T\,d$ *bytes* per block
 # in 16-bit training, for a micro-batch of $b$ samples of $T$ tokens and width $d$ (Korthikanti et
 # al., 2022, with flash attention: their $34\,sbh$ counts bytes, 2 per stored 16-bit value and 1
 # per dropout-mask entry), twice that in fp32, plus the logits, $b \times T \times$ vocabulary
@@ -115,7 +115,7 @@ for name, model in (("tiny", TINY), ("GPT-2 124M", GPT2), ("GPT-2 1.5B", widgets
 # | DDP | nothing | all-reduce of the gradients ($\approx 2\times$ their size) | the model fits: simplest, fastest |
 # | ZeRO-1 | optimiser state | reduce-scatter gradients, all-gather parameters ($\approx 2\times$) | optimiser state is the biggest part |
 # | ZeRO-2 | + gradients | the same | |
-# | **FSDP** (ZeRO-3) | + parameters: every rank holds $1/N$ of everything | all-gather each block's parameters in forward **and** backward, reduce-scatter gradients ($\approx 3\times$) | the model does not fit; the default choice |
+# | **FSDP** (ZeRO-3) | + parameters: every rank holds $1/N$ of everything | all-gather each block's parameters in forward *and* backward, reduce-scatter gradients ($\approx 3\times$) | the model does not fit; the default choice |
 # | **tensor parallel** (TP) | every matrix, by columns or rows; activations too | all-reduces (or all-gather + reduce-scatter) of activations, twice per block, forward and backward | one layer or its activations are too big; inside a node (NVLink) |
 # | **pipeline parallel** (PP) | consecutive blocks: stage $s$ holds blocks of its own | each microbatch's activations, sent to the next stage (and gradients back) | many nodes on a slow network; very deep models |
 #
@@ -142,12 +142,15 @@ def bytes_per_rank(n_params, strategy, world_size):
 assert bytes_per_rank(1000, "ddp", 4) == {"params": 4000, "grads": 4000, "optimizer": 8000}
 assert bytes_per_rank(1000, "fsdp", 4) == {"params": 1000, "grads": 1000, "optimizer": 2000}
 ### BEGIN HIDDEN TESTS
-assert bytes_per_rank(1000, "zero1", 8) == {"params": 4000, "grads": 4000, "optimizer": 1000}
-assert bytes_per_rank(1000, "zero2", 2) == {"params": 4000, "grads": 2000, "optimizer": 4000}
-for strategy in memory.DATA_PARALLEL:
-    expected = memory.per_rank_bytes(GPT2, strategy, 16)
-    got = bytes_per_rank(GPT2.parameters, strategy, 16)
-    assert all(abs(got[part] - expected[part]) < 1e-3 for part in got), strategy
+from coursekit import exercise
+
+expected = {strategy: memory.per_rank_bytes(GPT2, strategy, 16) for strategy in memory.DATA_PARALLEL}
+with exercise.own_work(memory.per_rank_bytes, memory.data_parallel_bytes, memory.replicated_bytes):
+    assert bytes_per_rank(1000, "zero1", 8) == {"params": 4000, "grads": 4000, "optimizer": 1000}
+    assert bytes_per_rank(1000, "zero2", 2) == {"params": 4000, "grads": 2000, "optimizer": 4000}
+    for strategy in memory.DATA_PARALLEL:
+        got = bytes_per_rank(GPT2.parameters, strategy, 16)
+        assert all(abs(got[part] - expected[strategy][part]) < 1e-3 for part in got), strategy
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -210,7 +213,7 @@ assert smallest_world_size(widgets.MODELS["70B shape"], "pp", 40, 1, 4096) is No
 # 4. a process group also for one process (a group of one, in memory), so one code path shards;
 # 5. `apply_activation_checkpointing` and `apply_fsdp`: shard every block, then the root; bf16
 #    gathers on GPUs (`MixedPrecisionPolicy`), optional CPU offload;
-# 6. checkpoints: **every** rank writes its shards in parallel with DCP, rank 0 publishes the
+# 6. checkpoints: *every* rank writes its shards in parallel with DCP, rank 0 publishes the
 #    checkpoint; loading reshards, so a checkpoint of 2 ranks resumes on 1 or 4; a per-rank
 #    memory report;
 # 7. the new flags; 8. `apply_fsdp` replaces the DDP wrapper;
@@ -231,7 +234,7 @@ for hunk in diffs.hunks(LESSON):
 # %% [markdown]
 # Edit `train_gpt2.py` in this folder one hunk at a time, then run the next cell (or
 # `python -m coursekit diffs status --lesson 04-model-parallelism` in a terminal): every hunk is
-# reported **applied**, **not yet applied** or **conflicting**, with the lines that differ.
+# reported *applied*, *not yet applied* or *conflicting*, with the lines that differ.
 # `python -m coursekit diffs apply --lesson 04-model-parallelism --hunk N` applies one for you.
 
 # %% tags=["demo"]
@@ -290,6 +293,11 @@ for n, (_, reports) in fsdp_runs.items():
     peaks = ", ".join(f"{r['peak'] / MiB:.0f}" for r in reports)
     rows.append(f"| {n} | peak ({reports[0]['peak_kind']}) | | {peaks} |")
 display(Markdown("\n".join(rows)))
+off = max(abs(r[part] / memory.per_rank_bytes(TINY, "fsdp", n)[part] - 1)
+          for n, (_, reports) in fsdp_runs.items() for r in reports
+          for part in ("params", "grads", "optimizer"))
+print(f"largest difference between a rank's shard and the prediction: {off:.2%}")
+assert off < 0.01  # FSDP's padding only
 
 # %% [markdown]
 # The shards agree with the arithmetic to within FSDP's padding (each parameter's first
@@ -352,18 +360,22 @@ for checkpointing in (False, True):
     predicted = memory.activation_bytes(SMALL, MICRO_BATCH, small.seq_len, "fp32", checkpointing)
     trade[checkpointing] = (held, seconds)
     print(f"{'checkpointing' if checkpointing else 'plain':14s} forward keeps {held / MiB:5.0f} MiB "
-          f"(predicted {predicted / MiB:5.0f} MiB) | forward + backward {seconds * 1000:5.0f} ms")
+          f"(predicted {predicted / MiB:5.0f} MiB, {predicted / held - 1:+.0%}) | "
+          f"forward + backward {seconds * 1000:5.0f} ms")
 (plain_held, plain_s), (ckpt_held, ckpt_s) = trade.values()
 print(f"checkpointing: {ckpt_s / plain_s:.2f}x the time for {1 - ckpt_held / plain_held:.0%} "
       f"less activation memory")
 
 # %% [markdown]
-# Compare each measurement with its prediction from `coursekit.memory`: the arithmetic of a few
-# lines should land within some percent of what forward really keeps. Most of what checkpointing
-# leaves is the logits ($4 \times 256 \times 50{,}304$ floats and their softmax), which
-# checkpointing the blocks does not touch. The time costs less than a third more here because the
-# output head, which is not recomputed, does most of this small model's arithmetic; on
-# GPT-2-sized blocks expect about a third more.
+# Each line gives the prediction of `coursekit.memory` and how far it is from what forward really
+# keeps: a few lines of arithmetic, against the allocator. Most of what checkpointing leaves is
+# the logits ($4 \times 256 \times 50{,}304$ floats and their softmax), which checkpointing the
+# blocks does not touch. The time it costs is on the last line: on this small model the output
+# head, which is not recomputed, does most of the arithmetic, while on GPT-2-sized blocks
+# recomputing them adds about a third to forward and backward.
+#
+# *End of part 1. Part 2, tensor and pipeline parallelism, and choosing a strategy, can follow
+# after a break or in the next session.*
 #
 # ## Tensor parallelism: splitting every matrix
 #
@@ -372,7 +384,7 @@ print(f"checkpointing: {ckpt_s / plain_s:.2f}x the time for {1 - ckpt_held / pla
 # - **column-wise**: rank $r$ holds columns $W_{:,r}$ and computes $Y_{:,r} = X W_{:,r}$; every
 #   rank needs the whole input $X$, and each ends with a slice of the output;
 # - **row-wise**: rank $r$ holds rows $W_{r,:}$ and a slice of the input, computes a partial
-#   product, and the partial products are **summed** across ranks (an all-reduce).
+#   product, and the partial products are *summed* across ranks (an all-reduce).
 #
 # A transformer block pairs them: q, k, v and the MLP's first layer column-wise (each rank gets
 # whole attention heads and a slice of the hidden layer), the two output projections row-wise. So
@@ -420,7 +432,7 @@ print(f"parameters per rank: predicted {predicted / MiB:.2f} MiB, measured {meas
 # once the pipeline is full, with the same bubble but at most $p$ microbatches' activations in
 # flight. More microbatches shrink the bubble, but smaller microbatches use a GPU less well.
 #
-# **Exercise 3.** Write `bubble_fraction(stages, microbatches)`, and `predicted_step_time(
+# **Exercise 3.** Write `bubble_fraction(stages, microbatches)`, then `predicted_step_time(
 # busy_time, stages, microbatches)`: the step time of a pipeline whose stages would each be busy
 # for `busy_time` if there were no bubble.
 
@@ -431,19 +443,27 @@ def bubble_fraction(stages, microbatches):
     ### END SOLUTION
 
 
+# %% nbgrader={"grade": true, "grade_id": "bubble_tests", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
+assert bubble_fraction(4, 1) == 0.75
+assert bubble_fraction(1, 8) == 0.0
+### BEGIN HIDDEN TESTS
+assert abs(bubble_fraction(8, 24) - 7 / 31) < 1e-12
+assert abs(bubble_fraction(2, 1) - 0.5) < 1e-12
+### END HIDDEN TESTS
+
+
+# %% nbgrader={"grade": false, "grade_id": "step_time", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def predicted_step_time(busy_time, stages, microbatches):
     ### BEGIN SOLUTION
-    return busy_time / (1 - bubble_fraction(stages, microbatches))
+    return busy_time * (microbatches + stages - 1) / microbatches
     ### END SOLUTION
 
 
-# %% nbgrader={"grade": true, "grade_id": "bubble_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-assert bubble_fraction(4, 1) == 0.75
-assert bubble_fraction(1, 8) == 0.0
+# %% nbgrader={"grade": true, "grade_id": "step_time_tests", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
 assert abs(predicted_step_time(8.0, 2, 8) - 9.0) < 1e-12
 ### BEGIN HIDDEN TESTS
-assert abs(bubble_fraction(8, 24) - 7 / 31) < 1e-12
 assert abs(predicted_step_time(1.0, 4, 4) - 7 / 4) < 1e-12
+assert abs(predicted_step_time(3.0, 1, 5) - 3.0) < 1e-12
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -463,13 +483,13 @@ for rank, (report, n) in enumerate(zip(pp_reports, TINY.pipeline_stage_parameter
 # Both stages hold about half of the bytes, but not half of the work. The tiny model's output
 # head multiplies every token by a $64 \times 50{,}304$ matrix, about 12 times the work of all four
 # blocks together, and it sits on the last stage: the first stage waits most of the time. That is
-# **imbalance**, the first thing a real pipeline split must fix (by giving the last stage fewer
+# *imbalance*, the first thing a real pipeline split must fix (by giving the last stage fewer
 # blocks), and it would hide the bubble completely.
 #
 # To see the bubble itself, `bubble_demo.py` next to this notebook builds a pipeline of equal
 # stages: 8 identical layers, cut into one stage per process, trained with GPipe on 512
-# samples per step split into $m$ microbatches. It times the same steps on **one** process (one
-# stage: no bubble) and on **two** (two stages), each process computing with one thread. With
+# samples per step split into $m$ microbatches. It times the same steps on *one* process (one
+# stage: no bubble) and on *two* (two stages), each process computing with one thread. With
 # no bubble and no communication, two stages would take half the time of one; the measured idle
 # fraction is what is left: $1 - (t_1 / 2) / t_2$.
 
@@ -518,14 +538,14 @@ plt.show()
 #
 # ## Choosing a strategy
 #
-# 1. **It fits on one GPU** with a useful micro-batch (the calculator says so): DDP. Nothing is
+# 1. *It fits on one GPU* with a useful micro-batch (the calculator says so): DDP. Nothing is
 #    faster, and everything else is harder to debug.
-# 2. **The parameters, gradients and optimiser state do not fit**: FSDP (ZeRO-3). It costs about
+# 2. *The parameters, gradients and optimiser state do not fit*: FSDP (ZeRO-3). It costs about
 #    1.5× DDP's traffic and hides most of it behind compute; ZeRO-1/2 if only the optimiser or
 #    gradients are the problem.
-# 3. **Activations do not fit** even at micro-batch 1 (long sequences): activation
+# 3. *Activations do not fit* even at micro-batch 1 (long sequences): activation
 #    checkpointing first, then TP with sequence parallelism (or context parallelism) inside a node.
-# 4. **Thousands of GPUs, or a slow network between nodes**: add TP inside nodes (2-D) and PP
+# 4. *Thousands of GPUs, or a slow network between nodes*: add TP inside nodes (2-D) and PP
 #    across groups of nodes (3-D); PP sends only activations at stage boundaries, which a slow
 #    network can carry, but needs many microbatches per step to keep its bubble small.
 #

@@ -23,8 +23,8 @@
 # - build instruction-tuning examples: a prompt template, and labels that teach only the answer;
 # - fine-tune a pretrained model with Accelerate, and judge it before and after by validation
 #   loss and exact match;
-# - read the Accelerate configs (DDP, FSDP, DeepSpeed ZeRO-2 and ZeRO-3), and predict each one's
-#   memory per GPU;
+# - read the Accelerate configs (DDP, FSDP, DeepSpeed ZeRO-2 and ZeRO-3), and choose among them
+#   and QLoRA from the memory a job needs;
 # - merge an adapter into its base model, and check that nothing changed;
 # - run the same script on a cluster with a model and data set from the Hugging Face hub.
 #
@@ -107,9 +107,9 @@ LONGER_RUNS = torch.cuda.is_available()
 #
 # Only $A$ and $B$ train: $r\,(d_\text{in} + d_\text{out})$ numbers instead of
 # $d_\text{in}\, d_\text{out}$, about 1% of a model at $r = 8$. $A$ starts random and $B$ starts
-# at **zero**, so at step 0 the adapted model is exactly the pretrained one, and training moves
+# at *zero*, so at step 0 the adapted model is exactly the pretrained one, and training moves
 # away from it smoothly. The scale $\alpha / r$ keeps the size of the update about the same when
-# you change $r$. After training, $BA$ can be added into $W$ (**merged**): the model is as fast
+# you change $r$. After training, $BA$ can be added into $W$ (*merged*): the model is as fast
 # as the original, and an adapter alone is a few megabytes, so one base model can serve many
 # tasks.
 #
@@ -264,39 +264,21 @@ assert lora_parameters([], 8) == 0
 # (Activations come on top, as in lesson 04; LoRA does not shrink them, since backward still
 # runs through every frozen layer.)
 #
-# **Exercise 3.** Write `finetune_bytes_per_gpu(n_params, n_trainable, strategy, world_size)`:
-# a dictionary with the fp32 bytes of `"params"`, `"grads"` and `"optimizer"` that one of
-# `world_size` GPUs holds under `"ddp"`, `"zero2"` or `"zero3"`, for a model of `n_params`
-# parameters in all, `n_trainable` of which train (`n_trainable == n_params` is full
-# fine-tuning).
-
-# %% nbgrader={"grade": false, "grade_id": "finetune_bytes", "locked": false, "schema_version": 3, "solution": true, "task": false}
-def finetune_bytes_per_gpu(n_params, n_trainable, strategy, world_size):
-    ### BEGIN SOLUTION
-    level = ["ddp", "zero2", "zero3"].index(strategy)
-    share = 1 / world_size
-    return {"params": 4 * n_params * (share if level == 2 else 1),
-            "grads": 4 * n_trainable * (share if level >= 1 else 1),
-            "optimizer": 8 * n_trainable * (share if level >= 1 else 1)}
-    ### END SOLUTION
-
-
-# %% nbgrader={"grade": true, "grade_id": "finetune_bytes_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-assert finetune_bytes_per_gpu(1000, 1000, "ddp", 4) == {"params": 4000, "grads": 4000, "optimizer": 8000}
-assert finetune_bytes_per_gpu(1000, 10, "ddp", 1) == {"params": 4000, "grads": 40, "optimizer": 80}
-assert finetune_bytes_per_gpu(1000, 10, "zero3", 4) == {"params": 1000, "grads": 10, "optimizer": 20}
-### BEGIN HIDDEN TESTS
-assert finetune_bytes_per_gpu(1000, 1000, "zero2", 8) == {"params": 4000, "grads": 500, "optimizer": 1000}
-assert finetune_bytes_per_gpu(1000, 100, "zero2", 2) == {"params": 4000, "grads": 200, "optimizer": 400}
-assert finetune_bytes_per_gpu(1000, 1000, "zero3", 1) == {"params": 4000, "grads": 4000, "optimizer": 8000}
-### END HIDDEN TESTS
-
-# %% [markdown]
-# Now for two real shapes: GPT-2 124M, and a 7-billion-parameter Llama-style model (32 blocks,
-# 4,096 wide, an MLP of 11,008, a vocabulary of 32,000; LoRA on its seven matrices per block),
-# fine-tuned fully or with LoRA at $r = 16$, on one GPU or with ZeRO on 8.
+# Here is the table for two real shapes: GPT-2 124M, and a 7-billion-parameter Llama-style model
+# (32 blocks, 4,096 wide, an MLP of 11,008, a vocabulary of 32,000; LoRA on its seven matrices
+# per block), fine-tuned fully or with LoRA at $r = 16$, on one GPU or with ZeRO on 8.
 
 # %% tags=["demo"]
+def finetune_bytes_per_gpu(n_params, n_trainable, strategy, world_size):
+    """fp32 bytes of weights, gradients and Adam states on one of ``world_size`` GPUs, for a
+    model of ``n_params`` parameters of which ``n_trainable`` train."""
+    weights_split = strategy == "zero3"
+    training_split = strategy in ("zero2", "zero3")
+    return {"params": 4 * n_params / (world_size if weights_split else 1),
+            "grads": 4 * n_trainable / (world_size if training_split else 1),
+            "optimizer": 8 * n_trainable / (world_size if training_split else 1)}
+
+
 def llama_adapted_shapes(n_layer=32, d=4096, hidden=11008):
     """q, k, v, o projections, then the MLP's gate, up and down projections, in every block."""
     return ([(d, d)] * 4 + [(d, hidden), (d, hidden), (hidden, d)]) * n_layer
@@ -535,14 +517,14 @@ for config in ("single", "ddp", "fsdp", "zero2", "zero3"):
     display(Markdown(f"**{path.name}**\n```yaml\n{path.read_text().strip()}\n```"))
 
 # %% [markdown]
-# - **single**: one process, one device; no communication.
-# - **ddp**: every process holds the whole model and a share of each batch; after backward the
+# - `single`: one process, one device; no communication.
+# - `ddp`: every process holds the whole model and a share of each batch; after backward the
 #   trainable gradients are all-reduced (with LoRA, only the adapters': megabytes).
-# - **fsdp**: FSDP2, PyTorch's own ZeRO-3 (lesson 04). Every block's frozen and trainable
+# - `fsdp`: FSDP2, PyTorch's own ZeRO-3 (lesson 04). Every block's frozen and trainable
 #   weights are split over the processes, gathered just before the block runs and freed after.
-# - **zero2**: DeepSpeed ZeRO stage 2: gradients and optimiser states are partitioned, the
+# - `zero2`: DeepSpeed ZeRO stage 2: gradients and optimiser states are partitioned, the
 #   weights are not. With LoRA these are small, so it saves little over DDP.
-# - **zero3**: DeepSpeed ZeRO stage 3: weights partitioned too, like FSDP, with optional
+# - `zero3`: DeepSpeed ZeRO stage 3: weights partitioned too, like FSDP, with optional
 #   **offload** of the optimiser state or the weights to CPU memory (or NVMe) when GPU memory
 #   runs out.
 #
@@ -604,6 +586,44 @@ print(f"saved: {', '.join(sorted(p.name for p in sharded.iterdir()))}")
 #
 # A quantised base cannot be merged exactly: merge the adapter into the bf16 model instead.
 #
+# **Exercise 3: choose the set-up from the memory.** For each job below, pick the set-up that
+# fits and communicates least: `"ddp"` if it fits, else `"zero2"`, else `"zero3"`; `"qlora"`
+# only where none of them fits, since de-quantising every step is slow. Count the weights,
+# gradients and Adam states as the memory table above does (fp32, from the shapes it names), and
+# leave a quarter of each GPU for activations and buffers. For QLoRA take the 4 GB of the
+# paragraph above.
+
+# %% nbgrader={"grade": false, "grade_id": "choose_setup", "locked": false, "schema_version": 3, "solution": true, "task": false}
+setup = {
+    "LoRA r=16 on GPT-2 124M, 4 GPUs of 16 GB": None,
+    "full fine-tuning of the 7B model, 8 GPUs of 80 GB": None,
+    "full fine-tuning of the 7B model, 4 GPUs of 40 GB": None,
+    "LoRA r=16 on the 7B model, 8 GPUs of 80 GB": None,
+    "LoRA r=16 on the 7B model, 1 GPU of 16 GB": None,
+}
+### BEGIN SOLUTION
+setup = {
+    "LoRA r=16 on GPT-2 124M, 4 GPUs of 16 GB": "ddp",  # 0.5 GB of weights
+    "full fine-tuning of the 7B model, 8 GPUs of 80 GB": "zero2",  # 27 + 81 / 8 = 37 GB <= 60
+    "full fine-tuning of the 7B model, 4 GPUs of 40 GB": "zero3",  # zero2: 27 + 81 / 4 = 47 > 30
+    "LoRA r=16 on the 7B model, 8 GPUs of 80 GB": "ddp",  # 27 GB + 0.6 GB for the adapters
+    "LoRA r=16 on the 7B model, 1 GPU of 16 GB": "qlora",  # bf16 weights alone are 13.5 > 12
+}
+### END SOLUTION
+
+# %% nbgrader={"grade": true, "grade_id": "choose_setup_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+assert len(setup) == 5
+assert all(choice in ("ddp", "zero2", "zero3", "qlora") for choice in setup.values()), \
+    'answer "ddp", "zero2", "zero3" or "qlora"'
+### BEGIN HIDDEN TESTS
+assert setup["LoRA r=16 on GPT-2 124M, 4 GPUs of 16 GB"] == "ddp"
+assert setup["full fine-tuning of the 7B model, 8 GPUs of 80 GB"] == "zero2"
+assert setup["full fine-tuning of the 7B model, 4 GPUs of 40 GB"] == "zero3"
+assert setup["LoRA r=16 on the 7B model, 8 GPUs of 80 GB"] == "ddp"
+assert setup["LoRA r=16 on the 7B model, 1 GPU of 16 GB"] == "qlora"
+### END HIDDEN TESTS
+
+# %% [markdown]
 # ## On a cluster: hub models and data sets
 #
 # On GPUs the stage defaults to the `gpt2-124m` preset (GPT-2 small from the hub, adapters on

@@ -259,18 +259,20 @@ assert best_run(fake.iloc[::-1]) == "c" and best_run(fake.iloc[[2, 0]], "loss") 
 final = {runs.read_json(d / "tracking.json")["run_id"]: runs.read_metrics(d)[-1]
          for d in run_dirs.values()}
 for metric in ("val_loss", "loss"):
+    from_files = min(final, key=lambda run_id: final[run_id][metric])
     print(f"lowest final {metric}: {best_run(found, metric)} in MLflow's table, "
-          f"{min(final, key=lambda run_id: final[run_id][metric])} in metrics.jsonl")
+          f"{from_files} in metrics.jsonl")
+    assert best_run(found, metric) == from_files
 
 # %% [markdown]
 # ## The MLflow UI, and TensorBoard
 #
 # The same store opens in MLflow's web UI: runs side by side, metric charts, parameters, artifacts,
-# the registry. The UI has **no login**: anyone who can reach its port can read and change every
+# the registry. The UI has *no login*: anyone who can reach its port can read and change every
 # run. So it always listens on `127.0.0.1`, and you reach it through something that checks who
 # you are.
 #
-# - **On your own machine**: `mlflow server --host 127.0.0.1 --port 5000 --backend-store-uri
+# - *On your own machine*: `mlflow server --host 127.0.0.1 --port 5000 --backend-store-uri
 #   sqlite:///runs/mlflow.db` in the lesson's folder, then open `http://127.0.0.1:5000`.
 # - **On a cluster, as a batch job.** Not on a login node: the generated batch file
 #   `batchfiles/<site>/batch-mlflow-ui.sh` asks for one CPU task for a few hours and runs
@@ -281,7 +283,7 @@ for metric in ("val_loss", "loss"):
 #       --artifacts-destination "$PWD/runs/mlartifacts" --workers 1
 #   ```
 #
-#   Its output file (`mlflow-ui-<job id>.out`) prints the tunnel to run **on your laptop**,
+#   Its output file (`mlflow-ui-<job id>.out`) prints the tunnel to run *on your laptop*,
 #   through the login node to the compute node:
 #
 #   ```bash
@@ -426,10 +428,14 @@ shutil.rmtree(folder, ignore_errors=True)
 (folder / "empty.jsonl").write_bytes(b"")
 (folder / "meta.json").write_text("{}")
 (folder / "sub" / "b.bin").write_bytes(b"b")
-assert sha256_manifest(folder) == {
-    "a.bin": "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad",
-    "empty.jsonl": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"}
-assert sha256_manifest(folder / "sub") == {"b.bin": hashlib.sha256(b"b").hexdigest()}
+from coursekit import exercise  # noqa: E402
+
+with exercise.own_work(runs.data_manifest):  # the manifest the kit reads back is not the exercise
+    assert sha256_manifest(DATA) == recorded["files"]
+    assert sha256_manifest(folder) == {
+        "a.bin": "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad",
+        "empty.jsonl": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"}
+    assert sha256_manifest(folder / "sub") == {"b.bin": hashlib.sha256(b"b").hexdigest()}
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -508,13 +514,13 @@ print(f"{BEST_DIR.name}'s checkpoint {checkpoint.name}: {len(tensors)} tensors "
 # %% [markdown]
 # Lightning's `.ckpt` files and many checkpoints on the hub are pickles: load them with
 # `weights_only=True` (lesson 03 does), and prefer `.safetensors` files where a model offers
-# them. The same rule runs through MLflow below: the kit logs its registered model **as code**
+# them. The same rule runs through MLflow below: the kit logs its registered model *as code*
 # (a Python file MLflow imports), not as a pickled Python object.
 #
 # ## The model registry
 #
 # Tracking records every run; the **registry** names the models worth using. A registered model
-# (`kit-std`) has numbered **versions**, each made from one run's files, and **aliases** that point
+# (`kit-std`) has numbered *versions*, each made from one run's files, and **aliases** that point
 # at versions: `champion` for the one in use, `challenger` for the one being tested. Whoever
 # loads `models:/kit-std@champion` (an evaluation job, a demo, a serving container) gets the new
 # model when the alias moves, without changing any code, and every version leads back to the run
@@ -547,28 +553,30 @@ for prompt, completion in zip(prompts, champion.predict(prompts, params={"max_ne
 # `client.set_registered_model_alias("kit-std", "champion", new_version)`, and from a shell
 # `python -m coursekit registry load kit-std@champion --store STORE --prompt "The"`.
 #
+# *End of part 1. Part 2, monitoring and profiling a job, can follow after a break or in the next
+# session.*
+#
 # ## Monitoring a job: utilisation and memory
 #
 # A training job that uses 40% of its GPUs wastes 60% of its allocation. Two numbers tell most of
-# the story: **utilisation** (the share of time a kernel was running) and **memory used**. Low
+# the story: **utilisation** (the share of time a kernel was running) and *memory used*. Low
 # utilisation means the GPU waits: for data, for communication, for Python or for small kernels.
 # Memory near the limit means the next larger batch runs out of memory; memory far below it means
 # room for a larger microbatch.
 #
-# On a GPU node, sample them in the background of the batch file, next to the training step:
-#
-# ```bash
-# nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv -l 5 > gpu-$SLURM_JOB_ID.csv &
-# monitor=$!
-# trap 'kill "$monitor"' EXIT       # stop sampling when the job ends
-# srun python solutions/train_gpt2_std.py ...
-# ```
-#
+# On a GPU node, sample them in the background of the batch file, next to the training step, as
+# the kit's generated GPU batch files do (here a generic cluster's):
+
+# %% tags=["demo"]
+std_batch_file = (KIT_ROOT / "batchfiles" / "generic" / "batch-std-1n1g.sh").read_text()
+print("\n".join(line for line in std_batch_file.splitlines()
+                if line.startswith(("nvidia-smi", "monitor", "trap 'kill", "srun", "    "))))
+
+# %% [markdown]
 # On AMD GPUs, `rocm-smi --showuse --showmemuse --csv` in a `while true; do ...; sleep 5; done`
-# loop does the same. The kit's GPU batch files already do this every 10 s, into
-# `RUN_DIR/gpu-<job id>.csv`. To look at a running job by hand, `srun --jobid <job id> --overlap
-# nvidia-smi` runs it inside the job's allocation, on its node (`--pty bash` instead gives a shell
-# there).
+# loop does the same. The generated files sample every 10 s, into `RUN_DIR/gpu-<job id>.csv`. To
+# look at a running job by hand, `srun --jobid <job id> --overlap nvidia-smi` runs it inside the
+# job's allocation, on its node (`--pty bash` instead gives a shell there).
 #
 # Lightning measures from inside the training loop: the `DeviceStatsMonitor` callback logs, at
 # every step, to the trainer's logger (MLflow included), the GPU memory PyTorch's allocator holds
@@ -708,8 +716,8 @@ sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_
 print(prof.key_averages().table(sort_by=sort_by, row_limit=10, max_name_column_width=36))
 
 # %% [markdown]
-# Each row is one operator, summed over the three steps. **Self** time is spent in the operator
-# itself; **total** (CPU total) includes the operators it called: `aten::linear` calls
+# Each row is one operator, summed over the three steps. *Self* time is spent in the operator
+# itself; *total* (CPU total) includes the operators it called: `aten::linear` calls
 # `aten::addmm`, and the labels `forward`, `backward` and `optimizer` contain everything under
 # them. Sort by self time to find what to speed up. In this tiny model most of the time goes to
 # the output head: a $64 \to 50{,}304$ matrix product for every token (`aten::mm`, forward and
@@ -771,12 +779,12 @@ for label in ("forward", "backward", "optimizer"):
 # Chrome. From a cluster, copy it to your laptop first (`scp` through the login node) or open it
 # from Open OnDemand's file browser. Then:
 #
-# - each **row** is a thread (and, on a GPU, each CUDA stream); time runs left to right. `W` and
+# - each *row* is a thread (and, on a GPU, each CUDA stream); time runs left to right. `W` and
 #   `S` zoom, `A` and `D` move; click a block for its name, duration and input shapes;
 # - `ProfilerStep#N` blocks are the steps, and inside them your `forward`, `backward` and
 #   `optimizer` labels with the operators they ran, nested by what called what;
-# - on a GPU, the CPU rows **launch** kernels and the stream rows **run** them, linked by arrows.
-#   A healthy run keeps the stream row full while the CPU runs ahead. **Gaps** in the stream row
+# - on a GPU, the CPU rows *launch* kernels and the stream rows *run* them, linked by arrows.
+#   A healthy run keeps the stream row full while the CPU runs ahead. *Gaps* in the stream row
 #   are lost time: a `.item()` or `print` of a GPU value that makes the CPU wait, a data loader
 #   that cannot keep up, many tiny kernels (fuse them with `torch.compile`), or, in lessons 02
 #   and 04, communication that does not overlap computation (NCCL kernels on their own stream).

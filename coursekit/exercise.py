@@ -1,0 +1,35 @@
+"""What a lesson's hidden tests use to check that an answer is the trainee's own work.
+
+An exercise that asks for, say, the FLOPs per token would be passed by ``return
+perf.flops_per_token(...)``: the kit already computes it. Hidden tests run their checks inside
+``own_work(perf.flops_per_token)``, where calling the kit's function fails, so such an answer
+scores nothing on that cell while an answer that does the work itself is unaffected.
+"""
+from contextlib import contextmanager
+
+
+class KitFunctionCalled(AssertionError):
+    """An answer called the kit's own function for what the exercise asks."""
+
+
+def _refuse(*args, **kwargs):
+    raise KitFunctionCalled("this exercise asks for your own code, not a call to the kit's "
+                            "function that computes the same thing")
+
+
+@contextmanager
+def own_work(*functions):
+    """Within the block, every one of ``functions`` raises `KitFunctionCalled`.
+
+    The functions' code is swapped rather than the names that refer to them, so that an answer
+    that imported the function under another name, or kept a reference to it, is caught too.
+    Work out expected values with these functions before the block, not inside it.
+    """
+    saved = [function.__code__ for function in functions]
+    try:
+        for function in functions:
+            function.__code__ = _refuse.__code__
+        yield
+    finally:
+        for function, code in zip(functions, saved):
+            function.__code__ = code
