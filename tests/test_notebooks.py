@@ -1,6 +1,7 @@
 """Lessons: jupytext pairs in sync, no outputs committed, lesson structure, and nbval on CPU."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -59,6 +60,42 @@ def test_lesson_has_objectives_time_exercises_and_key_points(lesson):
     graded = [c for c in cells if c.metadata.get("nbgrader", {}).get("grade")]
     assert len(graded) >= 3 and all(c.metadata["nbgrader"]["points"] > 0 for c in graded)
     assert any("### BEGIN HIDDEN TESTS" in c.source for c in graded)
+
+
+def glossary_terms():
+    """The terms of book/glossary.md, lower case, without a qualifier such as " (MLflow)"."""
+    text = (KIT_ROOT / "book" / "glossary.md").read_text()
+    body = text.split("```{glossary}", 1)[1].split("```", 1)[0]
+    return {re.sub(r" \(.*\)$", "", line.strip()).lower()
+            for line in body.splitlines() if line.strip() and not line[0].isspace()}
+
+
+def bold_phrases(lesson):
+    """The lesson's bold phrases, except run-in headings (**Time.**, **Exercise 3: ...**)."""
+    cells = jupytext.read(notebook_path(lesson)).cells
+    text = "\n".join(c.source for c in cells if c.cell_type == "markdown")
+    phrases = {" ".join(found.split()) for found in re.findall(r"\*\*(.+?)\*\*", text, re.DOTALL)}
+    return {p for p in phrases if not (p.endswith((".", "?")) or p.startswith("Exercise"))}
+
+
+def in_glossary(phrase, terms):
+    """``phrase`` is a term, or the plural of one."""
+    phrase = phrase.lower()
+    return any(form in terms for form in (phrase, phrase.removesuffix("s"), phrase.removesuffix("es")))
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_every_bold_term_of_a_lesson_is_in_the_glossary(lesson):
+    """Bold marks a term the lesson introduces, which the glossary defines; emphasis is italic."""
+    terms = glossary_terms()
+    assert len(terms) >= 100
+    assert sorted(p for p in bold_phrases(lesson) if not in_glossary(p, terms)) == []
+
+
+def test_the_glossary_check_catches_a_missing_term():
+    terms = glossary_terms()
+    assert in_glossary("Buckets", terms) and in_glossary("FSDP", terms)
+    assert not in_glossary("Flux capacitor", terms) and not in_glossary("every", terms)
 
 
 def run_nbval(lesson, record):
