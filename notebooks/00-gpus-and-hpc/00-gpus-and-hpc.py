@@ -25,7 +25,8 @@
 #
 # **Prerequisites.** Python and a little NumPy; no GPU needed.
 #
-# **Time.** 45 minutes.
+# **Time.** About 50 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
+# The time is an estimate; the instructor guide says how it is made.
 
 # %% [markdown]
 # ## GPUs, nodes and clusters

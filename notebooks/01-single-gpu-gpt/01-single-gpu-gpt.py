@@ -26,7 +26,8 @@
 #
 # **Prerequisites.** Lesson 00; PyTorch tensors and `nn.Module`.
 #
-# **Time.** 60 minutes.
+# **Time.** About 45 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
+# The time is an estimate; the instructor guide says how it is made.
 
 # %%
 import json

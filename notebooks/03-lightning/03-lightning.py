@@ -28,7 +28,8 @@
 #
 # **Prerequisites.** Lesson 02: ranks, DDP, `no_sync`, the global batch.
 #
-# **Time.** 60 minutes.
+# **Time.** About 50 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
+# The time is an estimate; the instructor guide says how it is made.
 
 # %%
 import logging

@@ -30,7 +30,9 @@
 #
 # **Prerequisites.** Lesson 02: ranks, all-reduce, the global batch, `torchrun`.
 #
-# **Time.** 90 minutes.
+# **Time.** About 60 minutes, in two parts of about 35 and 25 (the end of part 1 is marked):
+# reading, the exercises, and waiting for the cells on a laptop's CPU. The times are estimates; the
+# instructor guide says how they are made.
 
 # %%
 import ctypes

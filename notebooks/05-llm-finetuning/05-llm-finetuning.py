@@ -31,7 +31,8 @@
 # **Prerequisites.** Lesson 04: bytes per parameter, ZeRO stages and FSDP. Lesson 01: the GPT
 # model and its loss.
 #
-# **Time.** 75 minutes.
+# **Time.** About 65 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
+# The time is an estimate; the instructor guide says how it is made.
 
 # %%
 import copy

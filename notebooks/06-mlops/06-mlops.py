@@ -35,7 +35,9 @@
 # `metrics.jsonl`, checkpoints) and MFU. Lesson 03 for Lightning's callbacks, lesson 05 for the
 # Hugging Face model format.
 #
-# **Time.** 60 minutes.
+# **Time.** About 70 minutes, in two parts of about 45 and 30 (the end of part 1 is marked):
+# reading, the exercises, and waiting for the cells on a laptop's CPU. The times are estimates; the
+# instructor guide says how they are made.
 
 # %%
 import contextlib

@@ -35,7 +35,9 @@
 # and learning-rate schedule. Lesson 02: the global batch and the scaling rules. Lesson 00: Slurm
 # batch files. Lesson 06 for tracking many runs.
 #
-# **Time.** 75 minutes.
+# **Time.** About 95 minutes, in two parts of about 50 and 45 (the end of part 1 is marked):
+# reading, the exercises, and waiting for the cells on a laptop's CPU. The times are estimates; the
+# instructor guide says how they are made.
 #
 # The last part of this lesson tunes the GPT trainer itself: an Optuna study of 5 short training
 # runs, 2 at a time. It takes about a minute on a laptop, so the first cell starts it in the
