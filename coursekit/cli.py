@@ -100,7 +100,7 @@ def build_parser():
     diffs_cmd = commands.add_parser("diffs", help="the diffs between stages; a lesson's working copy")
     diffs_cmd.add_argument("action", choices=["build", "check", "start", "status", "apply"])
     diffs_cmd.add_argument("--lesson", help="start/status/apply: the lesson, e.g. 02-ddp")
-    diffs_cmd.add_argument("--file", help="status/apply: the working copy (default: "
+    diffs_cmd.add_argument("--file", help="start/status/apply: the working copy (default: "
                                           "notebooks/<lesson>/train_gpt2.py)")
     diffs_cmd.add_argument("--hunk", type=positive_int, help="apply: the hunk's number")
 
@@ -204,7 +204,7 @@ def run_diffs(args):
         raise KitError(f"diffs {args.action} needs --lesson (one of "
                        f"{', '.join(s.lesson for s in diffs.LADDER)})")
     if args.action == "start":
-        print(f"working copy: {diffs.start_working_copy(args.lesson)}")
+        print(f"working copy: {diffs.start_working_copy(args.lesson, args.file)}")
         return 0
     if args.action == "apply":
         if args.hunk is None:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from coursekit import KIT_ROOT, KitError, diffs
+from coursekit import KIT_ROOT, KitError, diffs, stages
 
 pytestmark = pytest.mark.diffs
 LESSON = "02-ddp"
@@ -106,8 +106,10 @@ def test_a_wrongly_applied_hunk_is_conflicting_with_the_lines_that_differ(course
 
 
 def test_status_from_the_command_line(tmp_path):
-    copy = tmp_path / "train_gpt2.py"
-    shutil.copyfile(KIT_ROOT / "solutions" / "train_gpt2_std.py", copy)
+    copy = tmp_path / "train_gpt2.py"  # a working copy beside a fetched assignment's notebook
+    started = subprocess.run([sys.executable, "-m", "coursekit", "diffs", "start", "--lesson",
+                              LESSON, "--file", str(copy)], capture_output=True, text=True)
+    assert started.returncode == 0 and copy.read_text() == stages.script_path("std").read_text()
     command = [sys.executable, "-m", "coursekit", "diffs", "status", "--lesson", LESSON,
                "--file", str(copy)]
     fresh = subprocess.run(command, capture_output=True, text=True)
