@@ -8,18 +8,15 @@ scores nothing on that cell while an answer that does the work itself is unaffec
 from contextlib import contextmanager
 
 
-class KitFunctionCalled(AssertionError):
-    """An answer called the kit's own function for what the exercise asks."""
-
-
 def _refuse(*args, **kwargs):
-    raise KitFunctionCalled("this exercise asks for your own code, not a call to the kit's "
-                            "function that computes the same thing")
+    # This code runs as the swapped function's, with that module's globals: only builtins here.
+    raise AssertionError("this exercise asks for your own code, not a call to the kit's "
+                         "function that computes the same thing")
 
 
 @contextmanager
 def own_work(*functions):
-    """Within the block, every one of ``functions`` raises `KitFunctionCalled`.
+    """Within the block, calling any of ``functions`` raises AssertionError.
 
     The functions' code is swapped rather than the names that refer to them, so that an answer
     that imported the function under another name, or kept a reference to it, is caught too.

@@ -264,3 +264,13 @@ def test_a_test_cell_tagged_demo_is_still_run(graded):
     _, scores = graded(LESSONS[0])
     tagged = scores["blank-tests-tagged-demo"]
     assert len(tagged) >= 3 and all(score == 0 for score, _ in tagged.values())
+
+
+def test_own_work_refuses_the_kit_function_under_any_name_then_restores_it():
+    from coursekit import exercise, scaling
+    from coursekit.scaling import speedup as kept_reference
+
+    with exercise.own_work(scaling.speedup):
+        with pytest.raises(AssertionError, match="your own code"):
+            kept_reference(80, 20)
+    assert kept_reference(80, 20) == scaling.speedup(80, 20) == 4.0
