@@ -4,11 +4,19 @@
     nbgrader autograde 01-single-gpu-gpt    grade submitted/<student>/01-single-gpu-gpt/*.ipynb
     nbgrader formgrader (in JupyterLab)     manual grading and feedback
 """
+import os
 from pathlib import Path
 
 from coursekit import grading
 
 c = get_config()  # noqa: F821 (provided by nbgrader when it loads this file)
+
+# Grades and trainees' work are personal data: what nbgrader writes here (gradebook.db,
+# submitted/, autograded/, feedback/) is for the instructor's eyes alone. The release keeps
+# nbgrader's own 644, so that trainees can read a copy of it.
+os.umask(0o077)
+c.Autograde.permissions = 400  # octal, as nbgrader reads it
+c.GenerateFeedback.permissions = 600
 
 c.CourseDirectory.source_directory = "notebooks"
 c.CourseDirectory.release_directory = "release"

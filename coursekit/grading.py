@@ -71,6 +71,13 @@ def generate(root):
     return release
 
 
+def keep_private(folder):
+    """A trainee's work is personal data: readable by the instructor alone."""
+    folder.chmod(0o700)
+    for path in folder.rglob("*"):
+        path.chmod(0o700 if path.is_dir() else 0o600)
+
+
 def autograde(root, lesson, submissions):
     """Copy ``submissions`` ({student: folder with <lesson>.ipynb and any file handed in with it,
     such as a working copy}) of ``lesson`` into root/submitted/ and autograde every submission of
@@ -82,6 +89,7 @@ def autograde(root, lesson, submissions):
         folder = Path(root) / "submitted" / student / lesson
         shutil.rmtree(folder, ignore_errors=True)
         shutil.copytree(handed_in, folder)
+        keep_private(Path(root) / "submitted" / student)
     nbgrader(root, "autograde", lesson, "--force")
     with Gradebook(f"sqlite:///{Path(root).resolve()}/gradebook.db") as gradebook:
         return {student: {grade.name: (grade.score, grade.max_score) for grade in

@@ -259,6 +259,15 @@ def test_one_unsolved_or_shortcut_exercise_loses_exactly_its_points(graded, less
         assert its_tests and {cell: score for cell, (score, _) in got.items()} == expected, exercise
 
 
+def test_grades_and_trainees_work_are_readable_by_the_instructor_alone(course, graded):
+    graded(LESSONS[0])
+    private = [course / "gradebook.db", *(course / "submitted").rglob("*"),
+               *(course / "autograded").rglob("*")]
+    assert len(private) > 5 and [p for p in private if p.stat().st_mode & 0o077] == []
+    released = course / "release" / LESSONS[0] / f"{LESSONS[0]}.ipynb"
+    assert released.stat().st_mode & 0o044 == 0o044  # trainees copy the release
+
+
 def test_a_test_cell_tagged_demo_is_still_run(graded):
     """A student who tags the release's test cells `demo` still scores zero."""
     _, scores = graded(LESSONS[0])
