@@ -403,7 +403,16 @@ def job_preamble(profile, threads):
             'test -f solutions/train_gpt2_std.py || { echo "submit from the kit\'s root" >&2; exit 2; }',
             *profile["setup"],
             *(f'export {name}="{value}"' for name, value in profile["env"].items()),
+            *(private_miopen_cache() if profile["gpu_vendor"] == "amd" else []),
             f"export OMP_NUM_THREADS={threads}  # the CPU cores each process was given"]
+
+
+def private_miopen_cache():
+    """MIOpen's kernel cache on node-local storage, in a directory with a name no other user can
+    guess: a predictable /tmp path could be created first, and filled, by someone else."""
+    return ["# MIOpen's kernel cache: node-local, private to this job (mktemp -d: mode 0700)",
+            'MIOPEN_USER_DB_PATH=$(mktemp -d "${TMPDIR:-/tmp}/miopen-$SLURM_JOB_ID-XXXXXXXX")',
+            'export MIOPEN_USER_DB_PATH MIOPEN_CUSTOM_CACHE_DIR="$MIOPEN_USER_DB_PATH"']
 
 
 def data_job(profile):

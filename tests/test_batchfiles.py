@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -170,3 +171,23 @@ def test_the_cluster_chapter_describes_every_site():
     chapter = (KIT_ROOT / "book" / "cluster.md").read_text()
     missing = [site for site in slurm.site_names() if f"| `{site}` |" not in chapter]
     assert missing == [], f"book/cluster.md has no row for {missing}"
+
+
+def test_amd_jobs_put_the_miopen_cache_where_no_one_else_can_create_it_first(tmp_path):
+    """Another user who creates the cache directory first (at a name they can predict) would
+    feed the job MIOpen kernels of their choosing; each job makes its own 0700 directory."""
+    job = (KIT_ROOT / "batchfiles" / "lumi" / "batch-ddp-2n8g.sh").read_text()
+    lines = [line for line in job.splitlines() if "MIOPEN" in line and not line.startswith("#")]
+    squatted = tmp_path / "user-miopen-cache-4242"  # the old, predictable name, taken first
+    squatted.mkdir(mode=0o777)
+    script = "\n".join(["set -euo pipefail", "SLURM_JOB_ID=4242", *lines,
+                        'echo "$MIOPEN_USER_DB_PATH $MIOPEN_CUSTOM_CACHE_DIR"'])
+    made = [subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True,
+                           env={**os.environ, "TMPDIR": str(tmp_path)}).stdout.split()
+            for _ in range(2)]
+    assert all(db == custom for db, custom in made) and made[0][0] != made[1][0]
+    for db, _ in made:
+        cache = Path(db)
+        assert cache.parent == tmp_path and cache != squatted
+        assert cache.is_dir() and cache.stat().st_mode & 0o777 == 0o700
+    assert "/tmp/$USER" not in job

@@ -26,8 +26,9 @@ export HF_HUB_OFFLINE="1"
 export HF_DATASETS_OFFLINE="1"
 export NCCL_SOCKET_IFNAME="hsn0,hsn1,hsn2,hsn3"
 export NCCL_NET_GDR_LEVEL="PHB"
-export MIOPEN_USER_DB_PATH="/tmp/$USER-miopen-cache-$SLURM_JOB_ID"
-export MIOPEN_CUSTOM_CACHE_DIR="/tmp/$USER-miopen-cache-$SLURM_JOB_ID"
+# MIOpen's kernel cache: node-local, private to this job (mktemp -d: mode 0700)
+MIOPEN_USER_DB_PATH=$(mktemp -d "${TMPDIR:-/tmp}/miopen-$SLURM_JOB_ID-XXXXXXXX")
+export MIOPEN_USER_DB_PATH MIOPEN_CUSTOM_CACHE_DIR="$MIOPEN_USER_DB_PATH"
 export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK  # the CPU cores each process was given
 # GPU utilisation and memory every 10 s on this (the first) node, while the job runs
 mkdir -p runs/lumi-ddp-1n8g
