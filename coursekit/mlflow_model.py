@@ -2,7 +2,8 @@
 interface (prompts in, greedy completions out).
 
 MLflow logs this file as code ("models from code"), so loading a registered model imports it
-instead of unpickling an object: the same safety rule as the kit's checkpoints.
+instead of unpickling an object. Importing is still running code: the copy of this file in the
+artifact store is what runs, so load models only from a store that no one else can write.
 """
 import mlflow
 import torch

@@ -427,8 +427,9 @@ def data_job(profile):
 
 
 def mlflow_ui_job(profile):
-    """The MLflow UI as a job: bound to the compute node's 127.0.0.1, so nobody else on the
-    cluster reaches it; the trainee tunnels to it through the login node."""
+    """The MLflow UI as a job, bound to the compute node's 127.0.0.1; the trainee tunnels to it
+    through the login node. Other users of that node reach 127.0.0.1 too, and the UI has no
+    login: see "Sharing a cluster safely" in the cluster chapter."""
     site = profile["name"]
     lines = header("The MLflow UI over the runs' tracking store (runs/mlflow.db), on the compute "
                    "node's 127.0.0.1 only.", profile, site)

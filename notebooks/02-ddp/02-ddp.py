@@ -539,6 +539,14 @@ print(f"the sqrt-scaled learning rate wins back {won_back:.0%} of the large batc
 # pre-empted job gets SIGUSR1, every rank agrees to stop, rank 0 checkpoints and `--resume`
 # continues with the same data order.
 #
+# One caution before you run on a shared cluster: `torch.distributed` trusts its network. The
+# rendezvous store on the first node and the collectives between ranks accept any connection that
+# reaches their ports, without a password, and some of what they receive is unpickled, which can
+# run code. PyTorch's security policy says as much: distributed training belongs on private
+# networks. Clusters make that true with compute networks users cannot reach from elsewhere, and
+# nodes that are not shared between users while a job runs; the cluster chapter says what to ask
+# your centre.
+#
 # The batch-file builder shows the file the kit's generator writes for a site, a stage and a
 # shape: pick your cluster's profile, 2 nodes and its GPUs per node, and read how the job finds
 # its rendezvous host, starts `torchrun` on every node and requeues itself when pre-empted.
