@@ -63,12 +63,27 @@ def nbgrader(root, *args):
 
 def generate(root):
     """Student versions of every lesson into root/release/<lesson>/, in one nbgrader run, without
-    the working copies that running the lessons in the course root leaves there."""
+    the working copies that running the lessons in the course root leaves there, and unpaired."""
     nbgrader(root, "generate_assignment", "*", "--force")
     release = Path(root) / "release"
     for working_copy in release.glob(f"*/{WORKING_COPY}"):
         working_copy.unlink()
+    for notebook in release.glob("*/*.ipynb"):
+        unpair(notebook)
     return release
+
+
+def unpair(notebook):
+    """Drop jupytext's pairing from a released notebook: opened next to its lesson's .py file, a
+    paired notebook would take its cells, solutions and hidden tests included, from that file."""
+    import nbformat
+
+    released = nbformat.read(notebook, as_version=4)
+    if released.metadata.pop("jupytext", None) is not None:
+        tmp = notebook.with_name(f".{notebook.name}.tmp")
+        nbformat.write(released, tmp)
+        shutil.copymode(notebook, tmp)  # nbgrader's 0644: trainees read the release
+        tmp.replace(notebook)
 
 
 def keep_private(folder):

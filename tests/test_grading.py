@@ -218,7 +218,9 @@ def test_release_holds_no_solutions_or_hidden_tests(course, lesson):
     released = {p.name for p in (course / "release" / lesson).iterdir()}
     assert f"{lesson}.ipynb" in released  # with the lesson's assets, if it has any
     assert f"{lesson}.py" not in released  # the jupytext pair holds the solutions
-    cells = jupytext.read(course / "release" / lesson / f"{lesson}.ipynb").cells
+    released = nbformat.read(course / "release" / lesson / f"{lesson}.ipynb", as_version=4)
+    assert "jupytext" not in released.metadata  # paired, it would open with the .py's solutions
+    cells = released.cells
     released_lines = {line.strip() for cell in cells for line in cell.source.splitlines()}
     marked, unmarked = marked_and_unmarked_lines(lesson)
     assert marked and "### BEGIN HIDDEN TESTS" not in released_lines
