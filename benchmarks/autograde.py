@@ -16,9 +16,10 @@ import tempfile
 import time
 from pathlib import Path
 
+import nbformat
 from throughput import machine
 
-from coursekit import KIT_ROOT, diffs, grading, runs, stages
+from coursekit import KIT_ROOT, grading, runs
 
 RESULTS = KIT_ROOT / "benchmarks" / "results" / "autograde.json"
 CLASS_SIZE = 80
@@ -32,23 +33,11 @@ def course_copy(root):
     grading.generate(root)
 
 
-def handed_in(root, lesson, kind, notebook):
-    """A submission folder: the notebook and, where the lesson grades it, the working copy
-    converted as the lesson asks (full marks) or as the lesson starts it (release)."""
-    folder = root / "handed-in" / lesson / kind
-    folder.mkdir(parents=True)
-    shutil.copy(notebook, folder / f"{lesson}.ipynb")
-    step = diffs.step_for_lesson(lesson) if lesson in grading.GRADED_WORKING_COPIES else None
-    if step:
-        stage = step.target if kind == "full_marks" else step.source
-        shutil.copy(stages.script_path(stage), folder / grading.WORKING_COPY)
-    return folder
-
-
 def seconds_per_submission(root, lesson, kind, notebook, copies):
     """Grade ``copies`` submissions of ``notebook`` in one autograde run; wall seconds / copies."""
     shutil.rmtree(root / "submitted", ignore_errors=True)  # only this kind's students
-    folder = handed_in(root, lesson, kind, notebook)
+    folder = grading.hand_in(root / "handed-in" / lesson / kind, lesson,
+                             nbformat.read(notebook, as_version=4), converted=kind == "full_marks")
     submissions = {f"{kind}-{number}": folder for number in range(copies)}
     start = time.perf_counter()
     grading.autograde(root, lesson, submissions)

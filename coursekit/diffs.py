@@ -41,8 +41,12 @@ def patch_path(step, root=KIT_ROOT):
     return Path(root) / "diffs" / f"{step.name}.patch"
 
 
+#: A lesson's working copy of a stage script: the trainee's own, kept next to the notebook.
+WORKING_COPY = "train_gpt2.py"
+
+
 def working_copy_path(step, root=KIT_ROOT):
-    return Path(root) / "notebooks" / step.lesson / "train_gpt2.py"
+    return Path(root) / "notebooks" / step.lesson / WORKING_COPY
 
 
 def step_for_lesson(lesson):

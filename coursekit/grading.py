@@ -15,14 +15,13 @@ from pathlib import Path
 
 from nbgrader.preprocessors import NbGraderPreprocessor
 
-from coursekit import KitError
+from coursekit import KitError, diffs, stages
+from coursekit.diffs import WORKING_COPY
 
 #: The cell tag that autograde skips (nbgrader_config.py sets it as Execute.skip_cells_with_tag).
 DEMO_TAG = "demo"
-#: A lesson's working copy of a stage script (coursekit.diffs), kept next to its notebook. It is the
-#: trainee's own: a release has none, and autograde grades the one handed in with the notebook.
-WORKING_COPY = "train_gpt2.py"
-#: Lessons that grade the working copy handed in with the notebook: {lesson: that exercise's id}.
+#: Lessons that grade the working copy (coursekit.diffs.WORKING_COPY) handed in with the notebook:
+#: {lesson: that exercise's id}. A release has no working copy: each trainee starts their own.
 GRADED_WORKING_COPIES = {"02-ddp": "conversion"}
 
 
@@ -84,6 +83,20 @@ def unpair(notebook):
         nbformat.write(released, tmp)
         shutil.copymode(notebook, tmp)  # nbgrader's 0644: trainees read the release
         tmp.replace(notebook)
+
+
+def hand_in(folder, lesson, notebook, converted):
+    """A submission folder: ``notebook`` (an nbformat notebook) and, for a lesson that grades
+    it, the working copy, converted to the lesson's target stage or as the lesson starts it."""
+    import nbformat
+
+    folder.mkdir(parents=True)
+    nbformat.write(notebook, folder / f"{lesson}.ipynb")
+    if lesson in GRADED_WORKING_COPIES:
+        step = diffs.step_for_lesson(lesson)
+        shutil.copy(stages.script_path(step.target if converted else step.source),
+                    folder / WORKING_COPY)
+    return folder
 
 
 def keep_private(folder):

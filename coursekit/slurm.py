@@ -75,12 +75,13 @@ FIELDS = {
 #: something to the shell (a newline, a quote, `$(`, `;`) would let a profile run commands where
 #: it meant to set an option: {field: (pattern, what is allowed)}.
 SITE_NAME = re.compile(r"[a-z0-9][a-z0-9_-]*")
+ONE_LINE = re.compile(r"[^\x00-\x1f\x7f]*")  # no newline, no control character
 SLURM_NAME = (re.compile(r"[A-Za-z0-9_.-]*"), "letters, digits, '_', '.' and '-'")
 SLURM_TIME = (re.compile(r"(\d+-)?\d{1,2}:\d{2}:\d{2}"), "HH:MM:SS or D-HH:MM:SS")
 SHELL_WORDS = (re.compile(r'[A-Za-z0-9 _./:=,@%+"-]*'),
                "options and words of letters, digits, spaces and _./:=,@%+-, grouped with \"...\"")
 TEXT_FIELDS = {
-    "description": (re.compile(r"[^\x00-\x1f\x7f]*"), "one line of text"),
+    "description": (ONE_LINE, "one line of text"),
     "account": SLURM_NAME, "partition": SLURM_NAME, "qos": SLURM_NAME,
     "time": SLURM_TIME, "max_time": SLURM_TIME,
     "gpu_request": (re.compile(r"(--[a-z-]+=[A-Za-z0-9_:.,-]*\{gpus\}[A-Za-z0-9_:.,-]*)?"),
@@ -89,7 +90,7 @@ TEXT_FIELDS = {
     "srun_args": SHELL_WORDS, "train_args": SHELL_WORDS, "finetune_args": SHELL_WORDS,
     "hpo_args": SHELL_WORDS, "data_command": SHELL_WORDS,
 }
-SETUP_LINE = (re.compile(r"[^\x00-\x1f\x7f]*"), "one line of shell each")
+SETUP_LINE = (ONE_LINE, "one line of shell each")
 ENV_NAME = (re.compile(r"[A-Za-z_][A-Za-z0-9_]*"), "a shell variable name")
 ENV_VALUE = (re.compile(r"([A-Za-z0-9 _./:=,@%+-]|\$[A-Za-z_][A-Za-z0-9_]*|\$\{[A-Za-z_][A-Za-z0-9_]*\})*"),
              "letters, digits, spaces, _./:=,@%+- and $NAME or ${NAME}")

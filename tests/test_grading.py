@@ -9,7 +9,7 @@ import jupytext
 import nbformat
 import pytest
 
-from coursekit import KIT_ROOT, KitError, diffs, grading, stages
+from coursekit import KIT_ROOT, KitError, diffs, grading
 
 pytestmark = pytest.mark.grading
 LESSONS = grading.lessons(KIT_ROOT)
@@ -150,18 +150,6 @@ def with_graded_cells_tagged_demo(notebook):
     return copy
 
 
-def hand_in(folder, lesson, notebook, converted):
-    """A submission folder: the notebook and, for a lesson that grades it, the working copy,
-    converted to the lesson's target stage or as the lesson starts it."""
-    folder.mkdir()
-    nbformat.write(notebook, folder / f"{lesson}.ipynb")
-    if lesson in grading.GRADED_WORKING_COPIES:
-        step = diffs.step_for_lesson(lesson)
-        stage = step.target if converted else step.source
-        shutil.copy(stages.script_path(stage), folder / grading.WORKING_COPY)
-    return folder
-
-
 @pytest.fixture(scope="module")
 def graded(course, tmp_path_factory):
     """Per lesson, graded once when a test first asks: (exercises, {student: scores}) for the
@@ -185,7 +173,7 @@ def graded(course, tmp_path_factory):
             if lesson == LESSONS[0]:  # the sanitising step is the same for every lesson
                 notebooks["blank-tests-tagged-demo"] = with_graded_cells_tagged_demo(release)
             unconverted = {"blank", f"without-{grading.GRADED_WORKING_COPIES.get(lesson)}"}
-            submissions = {student: hand_in(folder / student, lesson, notebook,
+            submissions = {student: grading.hand_in(folder / student, lesson, notebook,
                                             converted=student not in unconverted)
                            for student, notebook in notebooks.items()}
             try:
