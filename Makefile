@@ -15,6 +15,9 @@ CORE := $(VENV)/.core
 CORE_PACKAGES := torch numpy tiktoken tqdm safetensors
 # tiktoken reads the GPT-2 vocabulary from here, so nothing is downloaded at run time.
 export TIKTOKEN_CACHE_DIR := $(CURDIR)/.cache/tiktoken
+# DeepSpeed compiles a C++ op on first use (lessons 05, the lora stage and its jobs): once per
+# checkout, here, instead of once in each tool's default cache.
+export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 TOKENIZER := $(TIKTOKEN_CACHE_DIR)/.complete
 BUILTIN_DATA := data/builtin/meta.json
 INSTRUCT_DATA := data/instruct/meta.json

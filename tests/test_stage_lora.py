@@ -41,9 +41,8 @@ def launch(config, out, base_model, tasks, *args, processes=None):
     if processes:
         command += ["--num_processes", processes]
     command += [SCRIPT, "--model", base_model, "--data", tasks, "--out", out, *args]
-    env = kit_env({"TORCH_EXTENSIONS_DIR": str(KIT_ROOT / ".cache" / "torch_extensions")})
     return subprocess.run(list(map(str, command)), capture_output=True, text=True, timeout=900,
-                          env=env, cwd=KIT_ROOT)
+                          env=kit_env(), cwd=KIT_ROOT)
 
 
 def losses(run_dir):
