@@ -5,6 +5,7 @@
 #   make test        the whole test suite          make test-fast   unit + diff tests (< 2 min)
 #   make lab         JupyterLab with the course kernel on 127.0.0.1
 #   make assignments nbgrader student versions of every lesson into release/
+#   make trainee-kit what trainees clone: the kit with student versions, no answers
 #   make clean       remove everything the targets made
 SHELL := /bin/bash
 PYTHON ?= python3
@@ -13,11 +14,14 @@ BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 CORE := $(VENV)/.core
 CORE_PACKAGES := torch numpy tiktoken tqdm safetensors
+# pip itself, pinned like everything else it installs
+PIP := pip==26.3
 # tiktoken reads the GPT-2 vocabulary from here, so nothing is downloaded at run time.
 export TIKTOKEN_CACHE_DIR := $(CURDIR)/.cache/tiktoken
 # DeepSpeed compiles a C++ op on first use (lessons 05, the lora stage and its jobs): once per
 # checkout, here, instead of once in each tool's default cache.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
+DEEPSPEED_OP := $(TORCH_EXTENSIONS_DIR)/.complete
 TOKENIZER := $(TIKTOKEN_CACHE_DIR)/.complete
 BUILTIN_DATA := data/builtin/meta.json
 INSTRUCT_DATA := data/instruct/meta.json
@@ -30,11 +34,15 @@ BOOK_JS := $(BOOK_JS_DIR)/.complete
 HTML_MANAGER := @jupyter-widgets/html-manager@1.0.15
 REQUIREJS := requirejs@2.3.8
 MATHJAX := mathjax@3.2.2
+# Each tarball's sha512, as the npm registry publishes it (`npm view <package> dist.integrity`):
+# a tarball changed on its way here (registry, mirror, proxy) stops the build.
+NPM_SHA512 := book/npm-packages.sha512
+NPM_PACK := npm pack --silent
 
 # Two jobs at once: the set-up's steps that do not depend on each other run side by side.
 MAKEFLAGS += --jobs=2
 
-.PHONY: setup book book-instructor test test-fast lab assignments clean
+.PHONY: setup book book-instructor test test-fast lab assignments trainee-kit clean
 
 setup: $(INSTALLED) $(TOKENIZER)
 
@@ -42,7 +50,7 @@ setup: $(INSTALLED) $(TOKENIZER)
 # the rest: first what the corpus and the std stage import, at the versions requirements.txt pins.
 $(CORE): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(PIP)
 	$(BIN)/python -m pip install --quiet -c requirements.txt $(CORE_PACKAGES)
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@
@@ -58,9 +66,10 @@ $(TOKENIZER): $(CORE)
 # widgets/: embed-amd.js with the icon fonts it loads from beside itself, and require.js;
 # mathjax/: MathJax's CommonHTML bundle with the fonts and TeX extensions it loads on demand (its
 # speech-rule engine and other bundles left out). Each package.json names the version and licence.
-$(BOOK_JS):
+$(BOOK_JS): $(NPM_SHA512)
 	rm -rf .cache/npm $(BOOK_JS_DIR) && mkdir -p .cache/npm $(BOOK_JS_DIR)/widgets $(BOOK_JS_DIR)/mathjax
-	cd .cache/npm && npm pack --silent $(HTML_MANAGER) $(REQUIREJS) $(MATHJAX) >/dev/null
+	cd .cache/npm && $(NPM_PACK) $(HTML_MANAGER) $(REQUIREJS) $(MATHJAX) >/dev/null
+	cd .cache/npm && sha512sum --check --strict $(CURDIR)/$(NPM_SHA512)
 	cd .cache/npm && for package in *.tgz; do mkdir -p "$${package%.tgz}" && \
 	  tar -xzf "$$package" -C "$${package%.tgz}"; done
 	cd .cache/npm/jupyter-widgets-html-manager-*/package && \
@@ -88,6 +97,14 @@ $(BASE_RUN): $(CORE) | $(BUILTIN_DATA)
 	  --resume
 	touch $@
 
+# The tests' first ZeRO run would compile DeepSpeed's CPU communication op; the set-up does it
+# instead, on the core that the base model's training leaves free once pip is done.
+$(DEEPSPEED_OP): $(INSTALLED)
+	$(BIN)/python -c "from deepspeed.accelerator import get_accelerator; \
+	  op = get_accelerator().create_op_builder('ShareMemCommBuilder'); \
+	  op and op.is_compatible() and op.load()"
+	touch $@
+
 $(BASE_MODEL): $(BASE_RUN) $(INSTALLED)
 	$(BIN)/python -m coursekit export-hf runs/base-tiny models/kit-tiny --force --untie
 
@@ -105,7 +122,7 @@ book-instructor: $(BOOK_INPUTS)
 # Two pytest-xdist workers of one thread each keep both cores busy (tests/conftest.py: the longest
 # files first, the Slurm tests on one worker; the book is built from nbval's executions of the
 # lessons, so that each lesson executes once for both).
-test: setup $(BOOK_JS) $(INSTRUCT_DATA) $(BASE_MODEL)
+test: setup $(BOOK_JS) $(INSTRUCT_DATA) $(BASE_MODEL) $(DEEPSPEED_OP)
 	$(BIN)/python -m pytest -n 2
 
 test-fast: setup
@@ -119,7 +136,14 @@ lab: setup
 assignments: setup
 	$(BIN)/python -m coursekit assignments
 
+# The kit as trainees get it, in trainee-kit/: student versions of the lessons and everything they
+# need to run; no solution, hidden test or grading test (coursekit/trainee.py). Publish that folder
+# (a repository of its own) for trainees to clone, not this checkout.
+trainee-kit: setup
+	rm -rf trainee-kit
+	$(BIN)/python -m coursekit trainee-kit --out trainee-kit
+
 clean:
-	rm -rf $(VENV) .cache data models runs release submitted autograded feedback gradebook.db _build \
-	  $(BOOK_JS_DIR) \
+	rm -rf $(VENV) .cache data models runs release trainee-kit submitted autograded feedback \
+	  gradebook.db _build $(BOOK_JS_DIR) \
 	  .pytest_cache notebooks/*/runs notebooks/*/train_gpt2.py

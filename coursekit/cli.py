@@ -16,6 +16,8 @@
     verify-data RUN_DIR [--data DIR]           is the data still what the run trained on?
     registry register RUN_DIR --name N --alias A [--model-dir D]   a run's model into MLflow
     registry load NAME@ALIAS [--prompt P]      load a registered model back and complete P
+    free-port                                  a TCP port free on this host now (batch files)
+    trainee-kit --out DIR                      the kit as trainees get it: no solution, no hidden test
 """
 import argparse
 import json
@@ -128,6 +130,13 @@ def build_parser():
     verify.add_argument("run_dir", metavar="RUN_DIR")
     verify.add_argument("--data", help="the data directory (default: the one the run used)")
 
+    trainee_kit = commands.add_parser("trainee-kit", help="the kit as trainees get it: student "
+                                      "versions of the lessons, no solution or hidden test")
+    trainee_kit.add_argument("--out", required=True, help="a new folder for it")
+
+    commands.add_parser("free-port", help="print a TCP port free on this host now (the batch "
+                        "files' rendezvous port)")
+
     registry = commands.add_parser("registry", help="the MLflow model registry")
     registry.add_argument("action", choices=["register", "load"])
     registry.add_argument("target", metavar="RUN_DIR|NAME@ALIAS",
@@ -142,6 +151,17 @@ def build_parser():
     return parser
 
 
+
+def run_trainee_kit(args):
+    from coursekit import KIT_ROOT, trainee
+    out, answers = trainee.build(args.out, KIT_ROOT)
+    print(f"the trainee kit is in {out}: student versions of every lesson; none of the "
+          f"{answers} answer lines of the solutions and hidden tests")
+
+
+def run_free_port(args):
+    from coursekit import launch
+    print(launch.free_port())
 def run_envcheck(args):
     from coursekit import envcheck
     info = envcheck.collect()
@@ -274,7 +294,8 @@ def run_registry(args):
 COMMANDS = {"envcheck": run_envcheck, "tokenizer": run_tokenizer, "data": run_data,
             "presets": run_presets, "assignments": run_assignments, "book": run_book, "diffs": run_diffs,
             "batchfiles": run_batchfiles, "export-hf": run_export_hf, "instruct": run_instruct,
-            "verify-data": run_verify_data, "registry": run_registry}
+            "verify-data": run_verify_data, "registry": run_registry, "free-port": run_free_port,
+            "trainee-kit": run_trainee_kit}
 
 
 def main(argv=None):

@@ -86,7 +86,7 @@ def read_run(run_dir):
     if stage not in SUPPORTED_STAGES:
         raise KitError(f"{run_dir} is a run of stage {stage!r}: export-hf reads std, ddp and fsdp "
                        "runs (tp, pp and lit checkpoints are not supported)")
-    checkpoint = runs.latest_checkpoint(run_dir)
+    checkpoint = runs.checkpoint_to_resume(run_dir)  # fsdp checkpoints unpickle .metadata
     if checkpoint is None or not checkpoint.is_dir():
         raise KitError(f"{run_dir} has no checkpoint (ckpt/latest.json): a run saves one every "
                        "--ckpt-interval steps and at its last step")

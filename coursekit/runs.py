@@ -7,13 +7,20 @@
     RUN_DIR/sample.txt       text generated at the end
 
 Everything is written atomically (a temporary file or directory, then a rename), so a job killed at
-any moment leaves either the old file or the new one, never half of one. Checkpoints hold tensors
-in safetensors and everything else in JSON: loading one never unpickles code.
+any moment leaves either the old file or the new one, never half of one.
+
+A checkpoint is code as much as data where its format unpickles: the kit's own (std, ddp) holds
+tensors in safetensors and the rest in JSON and unpickles nothing, but PyTorch's distributed
+checkpoints (fsdp, tp, pp) read their `.metadata` with pickle, and DeepSpeed's ZeRO states (lora)
+load with `weights_only=False`. So a run directory is created readable by its owner alone, every
+published checkpoint carries a manifest of its files' SHA-256, and a resume refuses a checkpoint
+that someone else owns or could have written, or whose files no longer match the manifest.
 """
 import hashlib
 import json
 import os
 import shutil
+import stat
 from pathlib import Path
 
 import torch
@@ -37,6 +44,31 @@ def write_json_atomic(path, obj):
 
 def read_json(path):
     return json.loads(Path(path).read_text())
+
+
+def make_run_dir(run_dir):
+    """Create RUN_DIR, and its parents, if need be; a new RUN_DIR is its owner's alone (0700)."""
+    Path(run_dir).parent.mkdir(parents=True, exist_ok=True)
+    Path(run_dir).mkdir(mode=0o700, exist_ok=True)
+    return Path(run_dir)
+
+
+def refuse_unless_private(run_dir, *inside):
+    """Stop with one line if someone else could have written what a resume reads: RUN_DIR or a
+    path inside it owned by another user, or, where other users can reach into RUN_DIR at all
+    (its mode lets them), one of these paths writable by them."""
+    for path in (run_dir, *inside):
+        info = Path(path).stat()
+        if info.st_uid != os.getuid():
+            raise KitError(f"{path} belongs to user id {info.st_uid}, not to you: the kit resumes "
+                           "only from checkpoints you wrote (start a fresh --out)")
+    if stat.S_IMODE(Path(run_dir).stat().st_mode) & 0o077 == 0:
+        return  # no one else can reach anything inside, whatever the modes in there
+    for path in (run_dir, *inside):
+        mode = stat.S_IMODE(Path(path).stat().st_mode)
+        if mode & (stat.S_IWGRP | stat.S_IWOTH):
+            raise KitError(f"{path} is writable by other users (mode {mode:o}): resume only after "
+                           f"`chmod -R go-w {run_dir}`, if no one else has written to it")
 
 
 def start_run(run_dir, config, start_step):
@@ -186,9 +218,11 @@ def unpublished_checkpoint(run_dir, step):
 
 
 def publish_checkpoint(run_dir, step):
-    """Make the complete checkpoint ``step`` the one a resume finds, in one rename; keep the
-    newest few."""
+    """Make the complete checkpoint ``step`` the one a resume finds, in one rename, with the
+    manifest of its files; keep the newest few."""
     ckpt_root = checkpoint_dir(run_dir)
+    write_json_atomic(unpublished_checkpoint(run_dir, step) / MANIFEST,
+                      file_hashes(unpublished_checkpoint(run_dir, step)))
     final = ckpt_root / f"step_{step:08d}"
     shutil.rmtree(final, ignore_errors=True)
     os.replace(unpublished_checkpoint(run_dir, step), final)
@@ -202,9 +236,40 @@ def _prune_checkpoints(ckpt_root, keep):
         shutil.rmtree(old)
 
 
+MANIFEST = "manifest.json"
+
+
+def file_hashes(folder):
+    """{path relative to folder: SHA-256} of every file under folder but the manifest."""
+    return {str(path.relative_to(folder)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(Path(folder).rglob("*"))
+            if path.is_file() and path.name != MANIFEST}
+
+
+def checkpoint_to_resume(run_dir):
+    """The newest checkpoint, once it is shown to be yours and unchanged since it was written;
+    None when there is none. Call it right before loading one."""
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        return None
+    manifest = path / MANIFEST
+    if not manifest.exists():
+        raise KitError(f"checkpoint {path} has no {MANIFEST}: it was not written by this kit's "
+                       "stages (or by an older version of them), so it is not resumed from")
+    found = file_hashes(path)
+    refuse_unless_private(run_dir, checkpoint_dir(run_dir), checkpoint_dir(run_dir) / "latest.json",
+                          path, manifest, *(path / name for name in found))
+    expected = read_json(manifest)
+    if found != expected:
+        changed = sorted(name for name in {*found, *expected} if found.get(name) != expected.get(name))
+        raise KitError(f"checkpoint {path} differs from its {MANIFEST} ({', '.join(changed)}: "
+                       "changed, added or removed since it was written): it is not resumed from")
+    return path
+
+
 def load_checkpoint(run_dir, map_location="cpu"):
     """(step, state) of the newest checkpoint, or None when there is none."""
-    path = latest_checkpoint(run_dir)
+    path = checkpoint_to_resume(run_dir)
     if path is None:
         return None
     try:

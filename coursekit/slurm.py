@@ -11,7 +11,8 @@ How the stages start (DESIGN.md section 6):
     std   one process:                    srun python train_gpt2_std.py
     lit   one task per GPU, Lightning     srun python train_gpt2_lit.py --devices G --num-nodes N
     other launcher torchrun (the default): one torchrun per node, srun torchrun --nnodes N
-          --nproc-per-node G, c10d rendezvous on the allocation's first host, port from the job id;
+          --nproc-per-node G, static rendezvous (node rank from Slurm) on the allocation's first
+          host, at a port free there when the job starts;
           launcher srun: one task per GPU, srun python, so that Slurm binds each task to the
           cores next to its GPU (LUMI's CPU-binding masks)
 The model-parallel stages need two processes or more: tp runs tensor parallelism inside a node
@@ -37,7 +38,7 @@ from pathlib import Path
 
 import yaml
 
-from coursekit import KIT_ROOT, KitError, presets, stages
+from coursekit import KIT_ROOT, KitError, launch, presets, stages
 
 TOPOLOGY = re.compile(r"^(\d+)n(\d+)g$")
 VENDORS = ("nvidia", "amd", "none")
@@ -281,10 +282,10 @@ def launch_command(stage, profile, topology, run_dir):
     if one_task_per_gpu(stage, profile):  # the processes read their rank from Slurm's variables
         launcher = [f"{srun} python"]
     else:  # torchrun passes SIGUSR1 on to its workers: they checkpoint and exit
-        launcher = [f"{srun} torchrun --nnodes={topology.nodes} --nproc-per-node={topology.gpus}",
-                    '--rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d '
-                    '--rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT"',
-                    "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"]
+        options = launch.torchrun_options(topology.gpus, topology.nodes, '"$MASTER_ADDR"',
+                                          '"$MASTER_PORT"')
+        launcher = [SINGLE_QUOTED_NOTE + f"{srun} {launch.PER_NODE_SHELL} torchrun",
+                    " ".join(options[:-1]), options[-1]]
     args = [f"solutions/train_gpt2_{stage}.py --preset {profile['preset']} "
             f"--data {profile['data']} --out {run_dir} --resume"]
     parallel, replicas = model_parallel_flags(stage, profile, topology)
@@ -299,6 +300,10 @@ def launch_command(stage, profile, topology, run_dir):
     return " \\\n    ".join(launcher + args)
 
 
+#: Above a command whose single quotes keep $SLURM_NODEID for each node's own shell.
+SINGLE_QUOTED_NOTE = "# shellcheck disable=SC2016  # each node's shell expands them, not this one\n"
+
+
 def accelerate_command(srun, profile, topology, run_dir):
     """One `accelerate launch` per node; the single quotes keep $SLURM_NODEID for each node's
     shell. Accelerate's embedded torchrun forwards SIGUSR1 to the workers (PET_SIGNALS_TO_HANDLE,
@@ -311,8 +316,7 @@ def accelerate_command(srun, profile, topology, run_dir):
             f"--out {run_dir} --resume"]
     if profile["finetune_args"]:
         args.append(profile["finetune_args"])
-    return ("# shellcheck disable=SC2016  # each node's shell expands them, not this one\n"
-            + " \\\n    ".join(launch + args) + "'")
+    return SINGLE_QUOTED_NOTE + " \\\n    ".join(launch + args) + "'"
 
 
 def finetune_environment(topology):
@@ -354,9 +358,10 @@ def training_job(stage, topology, profile):
                           topology.gpus)
     lines += [*job_preamble(profile, threads),
               *gpu_monitor(profile, run_dir),
-              "# rendezvous: the allocation's first host, a port derived from the job id",
+              "# rendezvous: the allocation's first host (where this shell runs), on a port free",
+              "# there now, not one derived from the job id, which another user could take first",
               'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
-              "MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))",
+              "MASTER_PORT=$(python -m coursekit free-port)",
               "export MASTER_ADDR MASTER_PORT",
               'echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST, '
               'rendezvous $MASTER_ADDR:$MASTER_PORT"',
@@ -437,7 +442,7 @@ def mlflow_ui_job(profile):
     lines += ["# It needs no GPU: on a site with a CPU partition, submit with --partition=<it>."]
     lines += sbatch_lines(profile, "mlflow-ui", 1, 1, 1, requeue=False)
     lines += [*job_preamble(profile, "$SLURM_CPUS_PER_TASK"),
-              "PORT=$((30000 + SLURM_JOB_ID % 20000))",
+              "PORT=$(python -m coursekit free-port)  # free now, not one another user can work out",
               'STORE="${MLFLOW_TRACKING_URI:-sqlite:///$PWD/runs/mlflow.db}"',
               'echo "MLflow UI of $STORE on $(hostname):$PORT (127.0.0.1 only). From your laptop:"',
               'ME=$(id -un)',

@@ -30,8 +30,7 @@ import torch
 import torch.nn.functional as F
 from accelerate import Accelerator, PartialState
 from accelerate.utils import (DataLoaderConfiguration, DistributedType,
-                              GradientAccumulationPlugin, InitProcessGroupKwargs, gather_object,
-                              set_seed)
+                              GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed)
 
 from coursekit import KitError, instruct, perf, runs, tracking
 from coursekit.cli import ArgumentParser, positive_float, positive_int
@@ -270,16 +269,30 @@ def greedy_answers(accelerator, model, tokenizer, examples, max_new_tokens, batc
     return answers
 
 
+def gather_texts(accelerator, texts):
+    """Every process's list of strings, concatenated in process order. They travel as UTF-8
+    JSON in a tensor: an object collective (gather_object) would unpickle whatever another
+    process sent."""
+    encoded = torch.tensor(list(json.dumps(texts).encode()), dtype=torch.uint8,
+                           device=accelerator.device)
+    sizes = accelerator.gather(torch.tensor([len(encoded)], device=accelerator.device)).tolist()
+    rows = accelerator.gather(accelerator.pad_across_processes(encoded)).view(len(sizes), -1)
+    return [text for row, size in zip(rows, sizes)
+            for text in json.loads(bytes(row[:size].tolist()).decode())]
+
+
 def exact_match(accelerator, model, tokenizer, examples, args):
     """Fraction of answers equal to the reference (first line, case and spaces aside), overall
     and per task; and the predictions. Every process answers its share of the examples."""
+    with accelerator.split_between_processes(examples) as unpadded:
+        share = len(unpadded)  # padding repeats this process's last example: not sent back
     with accelerator.split_between_processes(examples, apply_padding=True) as mine:
         answers = greedy_answers(accelerator, model, tokenizer, mine, args.answer_tokens,
                                  args.micro_batch)
-        scored = [{"task": e.get("task", "all"), "input": e["input"], "reference": e["output"],
-                   "answer": a, "correct": normalise(a) == normalise(e["output"])}
-                  for e, a in zip(mine, answers)]
-    scored = gather_object(scored)[:len(examples)]  # padding repeated the last example
+    answers = gather_texts(accelerator, answers[:share])  # in the order of the examples
+    scored = [{"task": e.get("task", "all"), "input": e["input"], "reference": e["output"],
+               "answer": a, "correct": normalise(a) == normalise(e["output"])}
+              for e, a in zip(examples, answers, strict=True)]
     by_task = {}
     for s in scored:
         by_task.setdefault(s["task"], []).append(s["correct"])
@@ -316,7 +329,7 @@ def save_checkpoint(accelerator, run_dir, step):
 
 def resume(accelerator, run_dir):
     """Restore the newest checkpoint, if any; return the number of steps already done."""
-    path = runs.latest_checkpoint(run_dir)
+    path = runs.checkpoint_to_resume(run_dir)
     if path is None:
         accelerator.print(f"no checkpoint in {run_dir}: starting from step 0")
         return 0
@@ -524,7 +537,7 @@ def main(argv=None):
     # weight's gradient where weights train (full fine-tuning); LoRA's adapters are negligible
     per_weight = 4 if args.method == "lora" else 6
     peak, peak_source = perf.peak_flops(accelerator.device)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    runs.make_run_dir(run_dir)
     start_step = resume(accelerator, run_dir) if args.resume else 0
     for _ in range(start_step):  # the schedule depends on the step alone: replaying it is exact
         scheduler.step()

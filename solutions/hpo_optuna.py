@@ -34,7 +34,7 @@ import optuna
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from coursekit import KIT_ROOT, KitError, presets, runs
+from coursekit import KIT_ROOT, KitError, launch, presets, runs
 from coursekit.cli import ArgumentParser, positive_int
 
 SOLUTIONS = Path(__file__).resolve().parent
@@ -135,7 +135,7 @@ def open_study(args, worker):
 # ----------------------------------------------------------------------------------------------
 # One trial: a training run in a subprocess, followed through its metrics.jsonl
 # ----------------------------------------------------------------------------------------------
-def trainer_command(args, hyperparameters, run_dir, port_offset):
+def trainer_command(args, hyperparameters, run_dir):
     """The trainer's command line: python (one process), torchrun (processes on this node), or
     srun + torchrun (one torchrun per node, rendezvous on the allocation's first host)."""
     stage = "std" if args.processes == 1 else "ddp"
@@ -147,18 +147,14 @@ def trainer_command(args, hyperparameters, run_dir, port_offset):
     script = [str(SOLUTIONS / f"train_gpt2_{stage}.py"), *flags, *args.train_args.split()]
     if args.nodes == 1 and args.nproc_per_node == 1:
         return [sys.executable, *script]
-    torchrun = [sys.executable, "-m", "torch.distributed.run",
-                f"--nproc-per-node={args.nproc_per_node}"]
     if args.nodes == 1:
-        return [*torchrun, "--standalone", *script]
-    master = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
-                            capture_output=True, text=True, check=True).stdout.split()[0]
-    port = 20000 + (int(os.environ["SLURM_JOB_ID"]) + port_offset) % 20000  # one per trial
+        return [*launch.torchrun(args.nproc_per_node), *script]
+    # one torchrun per node, the rendezvous on the allocation's first host, where this worker
+    # runs, at a port free there (coursekit.launch: why the static rendezvous, not c10d)
+    first = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+                           capture_output=True, text=True, check=True).stdout.split()[0]
     return ["srun", *args.srun_args.split(), f"--nodes={args.nodes}", "--ntasks-per-node=1",
-            *torchrun, f"--nnodes={args.nodes}", "--rdzv-backend=c10d",
-            f"--rdzv-id={os.environ['SLURM_JOB_ID']}-{port_offset}",
-            f"--rdzv-endpoint={master}:{port}",
-            "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", *script]
+            *launch.PER_NODE, *launch.torchrun(args.nproc_per_node, args.nodes, first), *script]
 
 
 INTERRUPTS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
@@ -191,7 +187,7 @@ def train(command, run_dir, env, interrupt, on_validation):
     """Run the trainer; call on_validation(step, loss) for each validation it writes. Returns
     "complete", "pruned" (on_validation returned True: the trainer was stopped), "interrupted" or
     "failed", and the last validation loss."""
-    run_dir.mkdir(parents=True, exist_ok=True)
+    runs.make_run_dir(run_dir)
     with open(run_dir / "train.log", "ab") as log:
         trainer = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
                                    cwd=KIT_ROOT, start_new_session=True)  # its own process group
@@ -269,7 +265,7 @@ def run_worker(args, worker):
             trial.report(loss, step)
             return trial.should_prune()
 
-        command = trainer_command(args, trial.params, run_dir, trial.number)
+        command = trainer_command(args, trial.params, run_dir)
         outcome, loss = train(command, run_dir, env, interrupt, report)
         trial.set_user_attr("seconds", round(time.perf_counter() - start, 1))
         print(f"worker {worker} | trial {trial.number} | {describe(trial.params)} -> {outcome}"
@@ -328,7 +324,7 @@ def run_baseline(args):
     preset = presets.get_preset(args.preset)
     run_dir = args.study_dir / "baseline"
     hyperparameters = default_hyperparameters(preset, args.max_steps, args.batch_unit)
-    command = trainer_command(args, hyperparameters, run_dir, port_offset=-1)
+    command = trainer_command(args, hyperparameters, run_dir)
     outcome, loss = train(command, run_dir, trainer_environment(args, 0), Interrupt(),
                           lambda step, loss: False)
     if outcome != "complete" or loss is None:

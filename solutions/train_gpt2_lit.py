@@ -509,9 +509,11 @@ def main(argv=None):
               f"processes = {trainer.world_size} | minibatch = {args.batch_tokens // T} samples = "
               f"{args.batch_tokens:,} tokens per step")
 
-    Path(args.out).mkdir(parents=True, exist_ok=True)
+    runs.make_run_dir(args.out)
     # Lightning restores weights, optimiser, schedule, loop counters and the data position
     resume_from = checkpoint_to_resume(Path(args.out)) if args.resume else None
+    if resume_from:  # weights_only: Lightning unpickles plain data alone; and only yours
+        runs.refuse_unless_private(args.out, resume_from)
     trainer.fit(module, ckpt_path=resume_from, weights_only=True)
     if trainer.is_global_zero and args.sample_tokens and module.global_step == args.max_steps:
         write_sample(module.gpt, Path(args.out), args, module.device)

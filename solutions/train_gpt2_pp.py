@@ -411,7 +411,7 @@ def save_checkpoint(run_dir, step, model, optimizer, train_loader, device):
 def resume(run_dir, model, optimizer, train_loader, device):
     """Restore the newest checkpoint, if any; return the number of steps already done. Each
     rank reads its stage's parameters by name: resume with the same number of stages."""
-    path = runs.latest_checkpoint(run_dir)
+    path = runs.checkpoint_to_resume(run_dir)
     if path is None:
         print(f"no checkpoint in {run_dir}: starting from step 0")
         return 0
@@ -430,6 +430,9 @@ def local_bytes(tensors):
     return sum(t.nbytes for t in tensors)  # whole tensors: a stage holds its parameters whole
 
 
+MEMORY_PARTS = ("params", "grads", "optimizer", "peak")  # bytes
+
+
 def memory_report(model, optimizer, device):
     """Bytes this rank holds in its stage's parameters, gradients and optimiser state,
     and its peak memory: the CUDA allocator's on a GPU, the resident set size on a CPU."""
@@ -445,9 +448,14 @@ def memory_report(model, optimizer, device):
 
 
 def report_memory(run_dir, model, optimizer, device):
-    """Every rank's memory report, printed and written to memory.json by rank 0."""
-    reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, memory_report(model, optimizer, device))
+    """Every rank's memory report, printed and written to memory.json by rank 0. The numbers
+    travel as a tensor: an object collective would unpickle whatever the other end sent."""
+    mine = memory_report(model, optimizer, device)
+    numbers = torch.tensor([mine[part] for part in MEMORY_PARTS], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(numbers) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, numbers)
+    reports = [{**dict(zip(MEMORY_PARTS, rank_numbers.tolist())), "peak_kind": mine["peak_kind"]}
+               for rank_numbers in gathered]  # every rank has the same kind of device
     for rank, r in enumerate(reports):
         print(f"rank {rank} | params {r['params'] / 2**20:.2f} MiB | grads "
               f"{r['grads'] / 2**20:.2f} MiB | optimizer {r['optimizer'] / 2**20:.2f} MiB | "
@@ -627,7 +635,7 @@ def main(argv=None):
           f"{train_loader.total_tokens:,} training tokens")
 
     run_dir = Path(args.out)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    runs.make_run_dir(run_dir)
     start_step = resume(run_dir, model, optimizer, train_loader, device) if args.resume else 0
     run_config = {
         "stage": STAGE, "args": vars(args), "preset": preset.as_dict(), "model": asdict(config),

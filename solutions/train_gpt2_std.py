@@ -407,7 +407,7 @@ def main(argv=None):
           f"{train_loader.total_tokens:,} training tokens")
 
     run_dir = Path(args.out)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    runs.make_run_dir(run_dir)
     start_step = resume(run_dir, model, optimizer, train_loader, device) if args.resume else 0
     run_config = {
         "stage": STAGE, "args": vars(args), "preset": preset.as_dict(), "model": asdict(config),

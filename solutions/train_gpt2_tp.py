@@ -373,7 +373,7 @@ def save_checkpoint(run_dir, step, model, optimizer, train_loader, device):
 def resume(run_dir, model, optimizer, train_loader, device):
     """Restore the newest checkpoint, if any; return the number of steps already done. It may
     come from any number of ranks: each rank reads the parts of the shards it now owns."""
-    path = runs.latest_checkpoint(run_dir)
+    path = runs.checkpoint_to_resume(run_dir)
     if path is None:
         print(f"no checkpoint in {run_dir}: starting from step 0")
         return 0
@@ -392,6 +392,9 @@ def local_bytes(tensors):
     return sum(t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes for t in tensors)
 
 
+MEMORY_PARTS = ("params", "grads", "optimizer", "peak")  # bytes
+
+
 def memory_report(model, optimizer, device):
     """Bytes this rank holds in its shards of the parameters, gradients and optimiser state,
     and its peak memory: the CUDA allocator's on a GPU, the resident set size on a CPU."""
@@ -407,9 +410,14 @@ def memory_report(model, optimizer, device):
 
 
 def report_memory(run_dir, model, optimizer, device):
-    """Every rank's memory report, printed and written to memory.json by rank 0."""
-    reports = [None] * dist.get_world_size()
-    dist.all_gather_object(reports, memory_report(model, optimizer, device))
+    """Every rank's memory report, printed and written to memory.json by rank 0. The numbers
+    travel as a tensor: an object collective would unpickle whatever the other end sent."""
+    mine = memory_report(model, optimizer, device)
+    numbers = torch.tensor([mine[part] for part in MEMORY_PARTS], dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(numbers) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, numbers)
+    reports = [{**dict(zip(MEMORY_PARTS, rank_numbers.tolist())), "peak_kind": mine["peak_kind"]}
+               for rank_numbers in gathered]  # every rank has the same kind of device
     for rank, r in enumerate(reports):
         print(f"rank {rank} | params {r['params'] / 2**20:.2f} MiB | grads "
               f"{r['grads'] / 2**20:.2f} MiB | optimizer {r['optimizer'] / 2**20:.2f} MiB | "
@@ -582,7 +590,7 @@ def main(argv=None):
           f"{train_loader.total_tokens:,} training tokens")
 
     run_dir = Path(args.out)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    runs.make_run_dir(run_dir)
     start_step = resume(run_dir, model, optimizer, train_loader, device) if args.resume else 0
     run_config = {
         "stage": STAGE, "args": vars(args), "preset": preset.as_dict(), "model": asdict(config),

@@ -10,7 +10,6 @@ import contextlib
 import fcntl
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -28,7 +27,8 @@ if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
 
-from coursekit import KIT_ROOT, data
+from coursekit import KIT_ROOT, data, launch
+from coursekit.launch import free_port  # the tests take it from here
 
 
 @pytest.fixture(scope="session")
@@ -316,12 +316,6 @@ def kit_env(extra=None):
     return {**env, **(extra or {})}
 
 
-def free_port():
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def srun_task_env(procid, ntasks, port):
     """The variables `srun` gives task `procid` of a one-node job, plus the rendezvous address the
     kit's batch files export; no torchrun variables."""
@@ -363,9 +357,8 @@ TEN_STEPS = ["--preset", "tiny", "--max-steps", "10", "--eval-interval", "5", "-
 
 
 def torchrun_command(nproc, script, *args):
-    torchrun = Path(sys.executable).parent / "torchrun"
-    return [str(torchrun), "--standalone", f"--nproc-per-node={nproc}", str(script),
-            *map(str, args)]
+    """The kit's own launch (coursekit.launch): torchrun's static rendezvous at a free port."""
+    return [*launch.torchrun(nproc), str(script), *map(str, args)]
 
 
 def torchrun(nproc, script, *args, check=True):
@@ -428,3 +421,15 @@ def fsdp_ten_steps(builtin_data, tmp_path_factory):
         out.with_suffix(".stdout").write_text(result.stdout)
     out = made_once(tmp_path_factory, "fsdp10", train)
     return out, out.with_suffix(".stdout").read_text()
+
+
+class CreatesFile:
+    """The attacks' payload: unpickling it calls open(path, "w"), and any code could run the same
+    way. A test that writes it where the kit might unpickle it checks that the file never
+    appears."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return open, (self.path, "w")

@@ -95,7 +95,9 @@ def test_the_srun_launcher_starts_one_bound_task_per_gpu():
 def test_the_torchrun_launcher_starts_one_task_per_node_with_all_its_gpus():
     leonardo = (KIT_ROOT / "batchfiles" / "leonardo" / "batch-ddp-2n4g.sh").read_text()
     assert "#SBATCH --ntasks-per-node=1\n#SBATCH --cpus-per-task=32\n#SBATCH --gres=gpu:4\n" in leonardo
-    assert "srun torchrun --nnodes=2 --nproc-per-node=4" in leonardo
+    assert ("""srun bash -c 'PET_NODE_RANK="$SLURM_NODEID" exec "$@"' per-node torchrun \\\n"""
+            '    --nnodes=2 --nproc-per-node=4 --master-addr="$MASTER_ADDR" '
+            '--master-port="$MASTER_PORT"') in leonardo
     assert "export OMP_NUM_THREADS=$((SLURM_CPUS_PER_TASK / 4)) " in leonardo
 
 

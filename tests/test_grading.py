@@ -5,11 +5,10 @@ for the same thing, loses exactly those exercises' points."""
 import shutil
 import textwrap
 
-import jupytext
 import nbformat
 import pytest
 
-from coursekit import KIT_ROOT, KitError, diffs, grading
+from coursekit import KIT_ROOT, KitError, diffs, grading, trainee
 
 pytestmark = pytest.mark.grading
 LESSONS = grading.lessons(KIT_ROOT)
@@ -206,20 +205,6 @@ def without(source, release, shortcuts, exercise_ids):
     return notebook
 
 
-def marked_and_unmarked_lines(lesson):
-    """The source notebook's non-blank lines inside solution and hidden-test blocks, and outside."""
-    marked, unmarked, inside = set(), set(), False
-    for cell in jupytext.read(source_notebook(lesson)).cells:
-        for line in (line.strip() for line in cell.source.splitlines()):
-            if line in ("### BEGIN SOLUTION", "### BEGIN HIDDEN TESTS"):
-                inside = True
-            elif line in ("### END SOLUTION", "### END HIDDEN TESTS"):
-                inside = False
-            elif line:
-                (marked if inside else unmarked).add(line)
-    return marked, unmarked
-
-
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_release_holds_no_solutions_or_hidden_tests(course, lesson):
     released = {p.name for p in (course / "release" / lesson).iterdir()}
@@ -229,7 +214,7 @@ def test_release_holds_no_solutions_or_hidden_tests(course, lesson):
     assert "jupytext" not in released.metadata  # paired, it would open with the .py's solutions
     cells = released.cells
     released_lines = {line.strip() for cell in cells for line in cell.source.splitlines()}
-    marked, unmarked = marked_and_unmarked_lines(lesson)
+    marked, unmarked = trainee.marked_and_unmarked_lines(source_notebook(lesson))
     assert marked and "### BEGIN HIDDEN TESTS" not in released_lines
     # a marked line may also appear unmarked (a closing bracket, `pass`): only the others count
     assert sorted((marked - unmarked) & released_lines) == []
@@ -295,3 +280,24 @@ def test_own_work_refuses_the_kit_function_under_any_name_then_restores_it():
         with pytest.raises(AssertionError, match="your own code"):
             kept_reference(80, 20)
     assert kept_reference(80, 20) == scaling.speedup(80, 20) == 4.0
+
+
+def test_the_trainee_kit_holds_student_versions_and_no_answer(tmp_path_factory):
+    """What trainees clone: every answer line of every lesson is grepped for in every file."""
+    out, answer_count = trainee.build(tmp_path_factory.mktemp("trainee") / "kit", KIT_ROOT)
+    shipped = [path for path in out.rglob("*") if path.is_file()]
+    assert (out / "solutions" / "train_gpt2_ddp.py").exists()  # the lessons run the stages
+    assert not (out / "tests").exists() and not (out / "nbgrader_config.py").exists()
+    kit_code = set().union(*(trainee.lines_of(path) for path in shipped
+                             if path.suffix != ".ipynb" and "notebooks" not in path.parts))
+    answers = trainee.answer_lines(KIT_ROOT, kit_code)
+    assert len(answers) == answer_count > 100
+    found = {(str(path.relative_to(out)), line) for path in shipped
+             for line in trainee.lines_of(path) & answers.keys()}
+    assert found == set()
+    for lesson in LESSONS:
+        folder = out / "notebooks" / lesson
+        assert not (folder / f"{lesson}.py").exists()  # the jupytext pair holds the solutions
+        assert "raise NotImplementedError()" in trainee.lines_of(folder / f"{lesson}.ipynb")
+        text = (folder / f"{lesson}.ipynb").read_text()
+        assert "BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text

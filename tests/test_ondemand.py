@@ -46,9 +46,12 @@ SHELLCHECK = Path(sys.executable).parent / "shellcheck"
 ONDEMAND_ATTRIBUTES = {"bc_account", "bc_queue", "bc_num_hours", "bc_num_slots",
                        "bc_email_on_started", "bc_vnc_resolution"}
 
-# What a user typed into the form. OnDemand hands every form value to the templates as a string.
+# What a user typed into the form, and the hidden portal origin a centre set in it. OnDemand hands
+# every form value to the templates as a string.
+PORTAL = "https://portal.test"
 SAMPLE_FORM = {"account": "proj123", "partition": "gpu", "num_gpus": "2", "bc_num_hours": "3",
-               "kit_dir": "$HOME/gpt-course-kit", "bc_email_on_started": "0"}
+               "kit_dir": "$HOME/gpt-course-kit", "bc_email_on_started": "0",
+               "portal_origin": PORTAL}
 
 
 # --- Ruby, to render the templates as OnDemand does ----------------------------------------------
@@ -93,8 +96,10 @@ def test_form_defines_every_field_it_shows(ruby, tmp_path):
     undefined = [name for name in form["form"]
                  if name not in attributes and name not in ONDEMAND_ATTRIBUTES]
     assert not undefined, f"form fields with no definition: {undefined}"
-    # The placeholder the centre replaces, and no real account shipped as a default.
+    # The placeholders the centre replaces, and no real account shipped as a default.
     assert form["cluster"] == "my_cluster"
+    assert attributes["portal_origin"] == {"widget": "hidden_field",
+                                           "value": "https://ondemand.example.org"}
     assert attributes["account"]["required"] is True and not attributes["account"]["value"]
 
 
@@ -389,7 +394,20 @@ def test_session_starts_jupyterlab_behind_the_node_proxy(ruby, tmp_path):
         assert redirect.value.code == 302, redirect.value.read()
         lab = f"/node/{conn['host']}/{conn['port']}/lab"
         assert redirect.value.headers["Location"].endswith(lab)
-        assert "Set-Cookie" in redirect.value.headers
+        cookie = redirect.value.headers["Set-Cookie"]
+        assert "SameSite=Strict" in cookie  # browsers keep it to requests from the portal's site
+        # With that cookie, as a browser sends it: the portal's pages may call the API, a page
+        # of any other origin (another app behind the portal, a sibling subdomain) may not.
+        contents = f"{base}/api/contents"
+        for origin, allowed in ((PORTAL, True), ("https://evil.portal.test", False),
+                                ("null", False)):
+            request = urllib.request.Request(contents, headers={
+                "Cookie": cookie.split(";", 1)[0], "Origin": origin})
+            try:
+                answered = browser.open(request, timeout=10).status
+            except urllib.error.HTTPError as refused:
+                answered = refused.code
+            assert (answered == 200) == allowed, (origin, answered)
         # ...and a wrong password does not log in.
         wrong = urllib.request.Request(login.full_url, data=b"password=wrong")
         with pytest.raises(urllib.error.HTTPError) as refused:

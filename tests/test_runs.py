@@ -1,12 +1,14 @@
 """Run directories: metrics.jsonl, atomic JSON, checkpoints in safetensors + JSON."""
 import hashlib
 import json
+import os
 import shutil
+import stat
 
 import pytest
 import torch
 
-from coursekit import runs
+from coursekit import KitError, runs
 
 pytestmark = pytest.mark.unit
 
@@ -47,7 +49,7 @@ def test_tied_tensors_are_stored_once(tmp_path):
 def test_checkpoint_holds_no_pickle(tmp_path):
     model, optimizer = trained_optimizer()
     path = runs.save_checkpoint(tmp_path, 3, {"model": model.state_dict(), "opt": optimizer.state_dict()})
-    assert sorted(p.name for p in path.iterdir()) == ["state.json", "tensors.safetensors"]
+    assert sorted(p.name for p in path.iterdir()) == ["manifest.json", "state.json", "tensors.safetensors"]
     json.loads((path / "state.json").read_text())
 
 
@@ -119,3 +121,55 @@ def test_verify_data_names_each_file_that_differs(tmp_path, builtin_data):
     _, problems = runs.verify_data(run_dir)
     assert problems == ["train_000000.npy missing", "val_000000.npy changed",
                         "train_000001.npy not in the manifest"]
+
+
+def test_a_new_run_directory_is_its_owners_alone(tmp_path):
+    run_dir = runs.make_run_dir(tmp_path / "runs" / "mine")
+    assert stat.S_IMODE(run_dir.stat().st_mode) == 0o700
+
+
+def tampered(tmp_path, change):
+    """A saved checkpoint after `change(checkpoint directory)`; loading it must stop in one line."""
+    runs.save_checkpoint(tmp_path, 4, {"w": torch.ones(3)})
+    change(runs.latest_checkpoint(tmp_path))
+    with pytest.raises(KitError) as refused:
+        runs.load_checkpoint(tmp_path)
+    return str(refused.value)
+
+
+def test_a_checkpoint_file_changed_since_it_was_written_is_not_resumed_from(tmp_path):
+    def flip_a_byte(path):
+        data = bytearray((path / "tensors.safetensors").read_bytes())
+        data[-1] ^= 1
+        (path / "tensors.safetensors").write_bytes(bytes(data))
+    message = tampered(tmp_path, flip_a_byte)
+    assert "tensors.safetensors: changed, added or removed" in message and "\n" not in message
+
+
+def test_a_file_added_to_a_checkpoint_is_not_resumed_from(tmp_path):
+    message = tampered(tmp_path, lambda path: (path / "extra.distcp").write_bytes(b"\x80\x04."))
+    assert "extra.distcp: changed, added or removed" in message
+
+
+def test_a_checkpoint_others_could_write_is_not_resumed_from(tmp_path):
+    def open_to_everyone(path):
+        tmp_path.chmod(0o755)  # others can reach into the run directory...
+        path.chmod(0o777)  # ...and write in its checkpoint
+    message = tampered(tmp_path, open_to_everyone)
+    assert "is writable by other users (mode 777)" in message
+
+
+def test_a_private_run_directory_resumes_whatever_the_umask_left_inside(tmp_path):
+    """With umask 002 (common where each user has a group of their own) files come out
+    group-writable; inside a run directory no one else can enter, that is harmless."""
+    runs.save_checkpoint(runs.make_run_dir(tmp_path / "run"), 4, {"w": torch.ones(3)})
+    for path in (tmp_path / "run").rglob("*"):
+        path.chmod(stat.S_IMODE(path.stat().st_mode) | stat.S_IWGRP)
+    assert runs.load_checkpoint(tmp_path / "run")[0] == 4
+
+
+def test_a_checkpoint_someone_else_owns_is_not_resumed_from(tmp_path):
+    if os.getuid() != 0:
+        pytest.skip("giving a file to another user needs root (the suite runs as root on CI)")
+    message = tampered(tmp_path, lambda path: os.chown(path / "state.json", 65534, -1))
+    assert "belongs to user id 65534, not to you" in message

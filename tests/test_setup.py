@@ -1,5 +1,7 @@
 """The two-command set-up: requirements, environment.yml, Makefile targets, CI entry point."""
 import re
+import shutil
+import subprocess
 
 import pytest
 import yaml
@@ -52,3 +54,21 @@ def test_ci_runs_make_test_only(kit_root):
     commands = [line for line in (kit_root / ".ci" / "run").read_text().splitlines()
                 if line.strip() and not line.startswith("#")]
     assert commands[-1].strip() == "make test"
+
+
+def test_a_changed_npm_tarball_stops_the_book_build(kit_root, tmp_path):
+    """The book bundles three npm packages; one that differs from the registry's published
+    sha512 (changed by a mirror, a proxy, or the registry itself) must not be unpacked."""
+    shutil.copy(kit_root / "Makefile", tmp_path)
+    (tmp_path / "book").mkdir()
+    shutil.copy(kit_root / "book" / "npm-packages.sha512", tmp_path / "book")
+    # in place of `npm pack`: the tarballs it names, each with someone else's content
+    tampered = tmp_path / "tampered-pack.sh"
+    tampered.write_text("for tarball in $(awk '{print $2}' ../../book/npm-packages.sha512); do\n"
+                        '  echo "not what the registry published" > "$tarball"\ndone\n')
+    done = subprocess.run(["make", "--no-print-directory", "book/static/.complete",
+                           f"NPM_PACK=bash {tampered} #"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)
+    assert done.returncode != 0 and "FAILED" in done.stdout + done.stderr, done.stdout + done.stderr
+    assert not (tmp_path / "book" / "static" / ".complete").exists()
+    assert not list((tmp_path / "book" / "static" / "widgets").iterdir())

@@ -115,8 +115,8 @@ def test_preempted_run_resumes_like_an_uninterrupted_one(builtin_data, tmp_path,
     """SIGUSR1 reaches the ranks at different moments (as Slurm's does); they agree on a step,
     rank 0 checkpoints, all exit 0; the resumed run ends bit for bit where the reference did."""
     reference, _ = two_process_run
-    command = torchrun_command(2, DDP_SCRIPT, *STEPS, "--data", builtin_data, "--out", tmp_path)
-    launcher = interrupt.start(command, kit_env())
+    args = [*STEPS, "--data", builtin_data, "--out", tmp_path]
+    launcher = interrupt.start(torchrun_command(2, DDP_SCRIPT, *args), kit_env())
     lines = interrupt.read_until(launcher, "step 5/20 ")  # rank 0 has finished step 5
     for worker in psutil.Process(launcher.pid).children():
         worker.send_signal(signal.SIGUSR1)
@@ -127,7 +127,7 @@ def test_preempted_run_resumes_like_an_uninterrupted_one(builtin_data, tmp_path,
     assert f"SIGUSR1 received: checkpoint saved at step {stopped_at}" in output
     assert 5 <= stopped_at < 20 and runs.load_checkpoint(tmp_path)[0] == stopped_at
 
-    resumed = torchrun(2, DDP_SCRIPT, *command[4:], "--resume")
+    resumed = torchrun(2, DDP_SCRIPT, *args, "--resume")
     assert "resumed from" in resumed.stdout
     assert_same_run(runs.read_metrics(tmp_path), runs.read_metrics(reference))
     final, expected = runs.load_checkpoint(tmp_path), runs.load_checkpoint(reference)

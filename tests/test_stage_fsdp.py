@@ -1,11 +1,12 @@
 """The fsdp stage: FSDP2 on 2 processes trains like DDP while each rank holds 1/N of the
 parameters; its sharded checkpoints resume at 1, 2 or 4 processes with the same losses; activation
 checkpointing and CPU offload change memory, not results."""
+import pickle
 import shutil
 
 import pytest
 
-from conftest import TEN_STEPS, run_stage, torchrun
+from conftest import TEN_STEPS, CreatesFile, run_stage, torchrun
 from coursekit import KIT_ROOT, memory, presets, runs
 
 pytestmark = pytest.mark.stages
@@ -91,6 +92,23 @@ def test_a_two_rank_checkpoint_resumes_at_another_world_size(fsdp_two, builtin_d
     reports = runs.read_json(copy / "memory.json")
     assert [r["params"] for r in reports] == \
            pytest.approx([TINY_PARAMETER_BYTES / nproc] * nproc, rel=0.05)
+
+
+def test_a_checkpoint_pickle_written_by_someone_else_is_not_resumed_from(fsdp_two, builtin_data,
+                                                                         tmp_path):
+    """PyTorch's distributed checkpoint reads its .metadata with pickle, so a crafted one would
+    run code at the resume. It no longer matches the checkpoint's manifest: the stage stops in one
+    line before reading anything."""
+    out, _ = fsdp_two
+    copy = checkpoint_at_step_5(out, tmp_path / "run")
+    marker = tmp_path / "the-attackers-code-ran"
+    (copy / "ckpt" / "step_00000005" / ".metadata").write_bytes(pickle.dumps(CreatesFile(marker)))
+    result = run_stage("train_gpt2_fsdp.py", *STEPS, "--resume", "--data", builtin_data, "--out",
+                       copy)
+    assert result.returncode != 0 and not marker.exists(), result.stderr[-3000:]
+    assert result.stderr.strip() == (
+        f"error: checkpoint {copy / 'ckpt' / 'step_00000005'} differs from its manifest.json "
+        "(.metadata: changed, added or removed since it was written): it is not resumed from")
 
 
 SHORT = ["--preset", "tiny", "--max-steps", "3", "--device", "cpu"]

@@ -62,7 +62,7 @@ def test_checkpoint_is_safetensors_and_json_and_reproduces_the_model(base_run, b
     out = base_run
     ckpt = runs.latest_checkpoint(out)
     assert ckpt.name == "step_00000300"
-    assert sorted(p.name for p in ckpt.iterdir()) == ["state.json", "tensors.safetensors"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["manifest.json", "state.json", "tensors.safetensors"]
     tensors = load_file(ckpt / "tensors.safetensors")  # no pickle: cannot run code
     assert all(isinstance(t, torch.Tensor) for t in tensors.values())
 

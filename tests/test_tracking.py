@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import free_port, kit_env, run_stage
+from conftest import free_port, kit_env, run_stage, torchrun
 from coursekit import KIT_ROOT, runs
 
 pytestmark = pytest.mark.stages
@@ -206,13 +206,9 @@ def test_unknown_tracker_gets_one_line(builtin_data, tmp_path):
 
 def test_only_rank_0_of_a_ddp_run_logs(builtin_data, tmp_path):
     out = tmp_path / "ddp-run"
-    result = subprocess.run(
-        [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node=2",
-         str(KIT_ROOT / "solutions" / "train_gpt2_ddp.py"), "--preset", "tiny", "--device", "cpu",
-         "--data", str(builtin_data), "--out", str(out), "--max-steps", "2",
-         "--sample-tokens", "0", "--track", "mlflow"],
-        capture_output=True, text=True, env=kit_env(), timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    torchrun(2, KIT_ROOT / "solutions" / "train_gpt2_ddp.py", "--preset", "tiny", "--device", "cpu",
+             "--data", builtin_data, "--out", out, "--max-steps", "2", "--sample-tokens", "0",
+             "--track", "mlflow")
     client, run = mlflow_run(out)
     assert run.data.tags["world_size"] == "2"
     assert len(client.search_runs([run.info.experiment_id])) == 1

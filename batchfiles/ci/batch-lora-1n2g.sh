@@ -19,9 +19,10 @@ test -f solutions/train_gpt2_std.py || { echo "submit from the kit's root" >&2; 
 source .venv/bin/activate
 export TIKTOKEN_CACHE_DIR="$PWD/.cache/tiktoken"
 export OMP_NUM_THREADS=$((SLURM_CPUS_PER_TASK / 2))  # the CPU cores each process was given
-# rendezvous: the allocation's first host, a port derived from the job id
+# rendezvous: the allocation's first host (where this shell runs), on a port free
+# there now, not one derived from the job id, which another user could take first
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
-MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+MASTER_PORT=$(python -m coursekit free-port)
 export MASTER_ADDR MASTER_PORT
 echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR:$MASTER_PORT"
 

@@ -17,7 +17,7 @@ test -f solutions/train_gpt2_std.py || { echo "submit from the kit's root" >&2; 
 source .venv/bin/activate
 export TIKTOKEN_CACHE_DIR="$PWD/.cache/tiktoken"
 export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK  # the CPU cores each process was given
-PORT=$((30000 + SLURM_JOB_ID % 20000))
+PORT=$(python -m coursekit free-port)  # free now, not one another user can work out
 STORE="${MLFLOW_TRACKING_URI:-sqlite:///$PWD/runs/mlflow.db}"
 echo "MLflow UI of $STORE on $(hostname):$PORT (127.0.0.1 only). From your laptop:"
 ME=$(id -un)

@@ -29,9 +29,10 @@ nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used,memory.total 
 monitor=$!
 trap 'kill "$monitor" 2>/dev/null || true' EXIT
 
-# rendezvous: the allocation's first host, a port derived from the job id
+# rendezvous: the allocation's first host (where this shell runs), on a port free
+# there now, not one derived from the job id, which another user could take first
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
-MASTER_PORT=$((20000 + SLURM_JOB_ID % 20000))
+MASTER_PORT=$(python -m coursekit free-port)
 export MASTER_ADDR MASTER_PORT
 echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST, rendezvous $MASTER_ADDR:$MASTER_PORT"
 
@@ -39,8 +40,9 @@ echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELI
 # processes (every step of the job), let them checkpoint and exit, then requeue.
 preempted=0
 trap 'preempted=1; scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
-srun torchrun --nnodes=2 --nproc-per-node=4 \
-    --rdzv-id="$SLURM_JOB_ID" --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" \
+# shellcheck disable=SC2016  # each node's shell expands them, not this one
+srun bash -c 'PET_NODE_RANK="$SLURM_NODEID" exec "$@"' per-node torchrun \
+    --nnodes=2 --nproc-per-node=4 --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
     --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
     solutions/train_gpt2_ddp.py --preset gpt2-124m --data data/fineweb-edu --out runs/isambard-ai-ddp-2n4g --resume &
 step=$!

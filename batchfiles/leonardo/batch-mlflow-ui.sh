@@ -21,7 +21,7 @@ export TIKTOKEN_CACHE_DIR="$PWD/.cache/tiktoken"
 export HF_HUB_OFFLINE="1"
 export HF_DATASETS_OFFLINE="1"
 export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK  # the CPU cores each process was given
-PORT=$((30000 + SLURM_JOB_ID % 20000))
+PORT=$(python -m coursekit free-port)  # free now, not one another user can work out
 STORE="${MLFLOW_TRACKING_URI:-sqlite:///$PWD/runs/mlflow.db}"
 echo "MLflow UI of $STORE on $(hostname):$PORT (127.0.0.1 only). From your laptop:"
 ME=$(id -un)

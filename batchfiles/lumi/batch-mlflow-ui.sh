@@ -27,7 +27,7 @@ export NCCL_NET_GDR_LEVEL="PHB"
 MIOPEN_USER_DB_PATH=$(mktemp -d "${TMPDIR:-/tmp}/miopen-$SLURM_JOB_ID-XXXXXXXX")
 export MIOPEN_USER_DB_PATH MIOPEN_CUSTOM_CACHE_DIR="$MIOPEN_USER_DB_PATH"
 export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK  # the CPU cores each process was given
-PORT=$((30000 + SLURM_JOB_ID % 20000))
+PORT=$(python -m coursekit free-port)  # free now, not one another user can work out
 STORE="${MLFLOW_TRACKING_URI:-sqlite:///$PWD/runs/mlflow.db}"
 echo "MLflow UI of $STORE on $(hostname):$PORT (127.0.0.1 only). From your laptop:"
 ME=$(id -un)

@@ -529,20 +529,29 @@ print(f"the sqrt-scaled learning rate wins back {won_back:.0%} of the large batc
 #
 # ```bash
 # srun python solutions/train_gpt2_ddp.py                # reads SLURM_PROCID / NTASKS / LOCALID
-# srun torchrun --nnodes=$SLURM_NNODES --nproc-per-node=4 \
-#      --rdzv-backend=c10d --rdzv-endpoint=$MASTER_ADDR:$MASTER_PORT solutions/train_gpt2_ddp.py
+# srun bash -c 'PET_NODE_RANK="$SLURM_NODEID" exec "$@"' per-node torchrun \
+#      --nnodes=$SLURM_NNODES --nproc-per-node=4 --master-addr=$MASTER_ADDR \
+#      --master-port=$MASTER_PORT solutions/train_gpt2_ddp.py
 # ```
 #
 # with `MASTER_ADDR` the first host of the allocation
-# (`scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1`). NCCL is chosen automatically for
-# GPU tensors. The kit's batch files (lesson 00 and `batchfiles/`) set all of this up; a
-# pre-empted job gets SIGUSR1, every rank agrees to stop, rank 0 checkpoints and `--resume`
-# continues with the same data order.
+# (`scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1`) and `MASTER_PORT` a port free
+# there (`python -m coursekit free-port`). The second form is torchrun's **static rendezvous**:
+# one torchrun per node, each told its node's rank (torchrun reads `--node-rank` from
+# `PET_NODE_RANK`, which each node's own shell sets from `$SLURM_NODEID`). NCCL is chosen
+# automatically for GPU tensors. The kit's batch files (lesson 00 and `batchfiles/`) set all of
+# this up; a pre-empted job gets SIGUSR1, every rank agrees to stop, rank 0 checkpoints and
+# `--resume` continues with the same data order.
 #
-# One caution before you run on a shared cluster: `torch.distributed` trusts its network. The
-# rendezvous store on the first node and the collectives between ranks accept any connection that
-# reaches their ports, without a password, and some of what they receive is unpickled, which can
-# run code. PyTorch's security policy says as much: distributed training belongs on private
+# One caution before you run on a shared cluster: `torch.distributed` trusts its network. Many
+# tutorials launch multi-node jobs with `--rdzv-backend=c10d --rdzv-id=$SLURM_JOB_ID`: that
+# rendezvous keeps its state in a store on the first node that accepts any connection, without a
+# password, and unpickles the state at every check, so whoever reaches the port and knows the id
+# (the job id is public) can run code in your job. (`--standalone`, on one machine, uses the same
+# rendezvous with a random id and port, which another user cannot guess.) The static rendezvous
+# above keeps no pickled state, and the kit sends numbers between ranks as tensors rather than
+# pickled objects. The collectives still accept any connection that reaches their
+# ports; PyTorch's security policy says as much: distributed training belongs on private
 # networks. Clusters make that true with compute networks users cannot reach from elsewhere, and
 # nodes that are not shared between users while a job runs; the cluster chapter says what to ask
 # your centre.

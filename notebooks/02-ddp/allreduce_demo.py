@@ -38,15 +38,20 @@ def main():
     whole_batch = torch.autograd.grad(((x @ w - y) ** 2).mean(), w)[0]
     difference = (w.grad - whole_batch).abs().max().item()
 
-    line = (f"rank {rank} of {world_size} (local rank {local_rank}, pid {os.getpid()}): "
-            f"own-share gradient norm {local_norm:.4f}, after all-reduce {w.grad.norm():.4f}, "
-            f"max |all-reduced - whole batch| = {difference:.1e}")
-    lines = [None] * world_size
-    dist.all_gather_object(lines, line)  # rank 0 prints everyone's line, in rank order
+    # rank 0 prints everyone's numbers, in rank order; they travel as a tensor (an object
+    # collective such as all_gather_object would unpickle whatever another process sent)
+    mine = torch.tensor([local_rank, os.getpid(), local_norm, w.grad.norm(), difference],
+                        dtype=torch.float64)
+    everyone = [torch.empty_like(mine) for _ in range(world_size)]
+    dist.all_gather(everyone, mine)
     if rank == 0:
         print(f"MASTER_ADDR={os.environ.get('MASTER_ADDR')} MASTER_PORT={os.environ.get('MASTER_PORT')}"
               f" backend={dist.get_backend()}")
-        print("\n".join(lines))
+        for other, numbers in enumerate(everyone):
+            its_local_rank, pid, own_norm, reduced_norm, its_difference = numbers.tolist()
+            print(f"rank {other} of {world_size} (local rank {its_local_rank:.0f}, pid {pid:.0f}): "
+                  f"own-share gradient norm {own_norm:.4f}, after all-reduce {reduced_norm:.4f}, "
+                  f"max |all-reduced - whole batch| = {its_difference:.1e}")
     dist.destroy_process_group()
 
 

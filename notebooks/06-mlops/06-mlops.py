@@ -516,7 +516,13 @@ print(f"{BEST_DIR.name}'s checkpoint {checkpoint.name}: {len(tensors)} tensors "
 # %% [markdown]
 # Lightning's `.ckpt` files and many checkpoints on the hub are pickles: load them with
 # `weights_only=True` (lesson 03 does), and prefer `.safetensors` files where a model offers
-# them. The same rule runs through MLflow below: the kit logs its registered model *as code*
+# them. Some formats cannot avoid pickle: PyTorch's distributed checkpoints (lesson 04's fsdp, tp
+# and pp stages) read their `.metadata` file with it, and DeepSpeed's ZeRO states (lesson 05)
+# load with `weights_only=False`. For those, what matters is *who could have written the file*.
+# Every stage creates its run directory readable by you alone, writes `manifest.json` (the
+# SHA-256 of every file) into each checkpoint it publishes, and on `--resume` refuses, in one
+# line, a checkpoint that another user owns or could write, or whose files no longer match
+# the manifest. The same rule runs through MLflow below: the kit logs its registered model *as code*
 # (a Python file MLflow imports), not as a pickled Python object.
 #
 # ## The model registry

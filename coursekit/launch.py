@@ -1,0 +1,43 @@
+"""How the kit starts processes that work together: torchrun with its static rendezvous.
+
+torchrun's c10d rendezvous (`--rdzv-backend=c10d`) keeps its state in a TCP store that listens on
+every interface without a password, and unpickles that state at every sync for the whole job:
+anyone who can reach the port and knows the rendezvous id (batch files commonly use the job id,
+which every user sees) can write a crafted pickle there and run code in the launcher, as the
+job's owner. The static rendezvous keeps only plain bytes and JSON in the same
+store. It needs each node's rank (under Slurm, $SLURM_NODEID) and a port on the first node,
+chosen free when the job starts rather than derived from something another user can predict.
+"""
+import shlex
+import socket
+import sys
+
+#: The signals torchrun passes on to its workers: Slurm's SIGUSR1 before the time limit among
+#: them, so that the training processes checkpoint and exit.
+FORWARDED_SIGNALS = "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+
+#: Put before a torchrun command that srun starts once per node: each node's own shell gives
+#: torchrun that node's rank (torchrun reads --node-rank from PET_NODE_RANK).
+PER_NODE = ["bash", "-c", 'PET_NODE_RANK="$SLURM_NODEID" exec "$@"', "per-node"]
+PER_NODE_SHELL = shlex.join(PER_NODE)
+
+
+def free_port():
+    """A TCP port free on this host now, chosen by the operating system."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+def torchrun_options(processes, nodes, master_addr, master_port):
+    """torchrun's options for `processes` workers on each of `nodes` nodes, the static
+    rendezvous at master_addr:master_port (values, or shell variables in a batch file)."""
+    return [f"--nnodes={nodes}", f"--nproc-per-node={processes}", f"--master-addr={master_addr}",
+            f"--master-port={master_port}", FORWARDED_SIGNALS]
+
+
+def torchrun(processes, nodes=1, master_addr="127.0.0.1", master_port=None):
+    """torchrun starting `processes` workers (default: one node, this host, a free port). With
+    several nodes, srun starts it once per node after PER_NODE."""
+    return [sys.executable, "-m", "torch.distributed.run",
+            *torchrun_options(processes, nodes, master_addr, master_port or free_port())]
