@@ -7,12 +7,18 @@
   hidden tests included.
 
 Both show the outputs of the source notebooks, executed in their own folders: the edition's copy
-of a lesson only changes what is shown. Executions are kept in jupyter-cache's store (the one
+of a lesson only changes what is shown. What the builder's own machine and account show is not
+published, neither on a page nor in a notebook a reader downloads: a cell tagged
+``remove-output`` (the kernel's report, Slurm's view of your jobs) shows no output, and in every
+other output the kit's folder reads ``$KIT``, the home directory ``~`` and the host's name
+``$HOST``. Executions are kept in jupyter-cache's store (the one
 Jupyter Book uses), so a lesson whose code did not change is not run again, and building the
 second edition runs nothing. Jupyter Book then builds each edition from a folder of its own, with
 execution off and warnings as errors.
 """
+import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -80,6 +86,40 @@ def reader_version(notebook):
     return copy
 
 
+#: Jupyter Book's tag for a cell whose output a page leaves out; the editions drop the output
+#: from their sources too, so that the downloadable notebook does not carry it either.
+PRIVATE_OUTPUT_TAG = "remove-output"
+
+
+def published_outputs(notebook, root):
+    """A copy of ``notebook`` without the outputs of cells tagged PRIVATE_OUTPUT_TAG, and with the
+    kit's folder ``root``, the home directory and the host's name written as ``$KIT``, ``~`` and
+    ``$HOST`` in the others."""
+    copy = nbformat.from_dict(notebook)
+    private = [(re.escape(str(Path(root).resolve())), "$KIT"), (re.escape(str(root)), "$KIT"),
+               (rf"\b{re.escape(socket.gethostname())}\b", "$HOST")]  # the name as a whole word
+    if Path.home() != Path("/"):
+        private.append((re.escape(str(Path.home())), "~"))
+    for cell in copy.cells:
+        if cell.cell_type != "code":
+            continue
+        if PRIVATE_OUTPUT_TAG in cell.metadata.get("tags", []):
+            cell.outputs = []
+        for output in cell.outputs:
+            if "text" in output:  # a stream
+                output.text = without_private(output.text, private)
+            for mime, shown in output.get("data", {}).items():
+                if mime.startswith("text/"):  # not images: base64 can hold any short word
+                    output.data[mime] = without_private(shown, private)
+    return copy
+
+
+def without_private(text, replacements):
+    for pattern, shown in replacements:
+        text = re.sub(pattern, shown, text)
+    return text
+
+
 def reveals_answer(cell):
     nbgrader = cell.metadata.get("nbgrader", {})
     return bool(nbgrader.get("solution")) or "BEGIN HIDDEN TESTS" in cell.source
@@ -101,7 +141,7 @@ def write_edition(edition, root, folder, cache_dir):
         config["title"] += " (instructor's edition)"
     (folder / "_config.yml").write_text(yaml.safe_dump(config, sort_keys=False))
     for notebook in lesson_notebooks(root):
-        shown = executed(notebook, cache_dir, timeout)
+        shown = published_outputs(executed(notebook, cache_dir, timeout), root)
         if edition == "reader":
             shown = reader_version(shown)
         target = folder / notebook.relative_to(root)

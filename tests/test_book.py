@@ -1,7 +1,9 @@
 """The Jupyter Book: builds with warnings as errors, lessons executed, every page reachable."""
 import os
 import re
+import socket
 from html import unescape
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -187,6 +189,29 @@ def test_the_readers_edition_shows_no_solution_or_hidden_test(html):
     assert len(lesson_pages) == len(secret_lines())
     assert all("raise NotImplementedError()" in page and not any(marker in page for marker in MARKERS)
                for page in lesson_pages)
+
+
+def test_no_page_shows_the_builders_paths_host_or_jobs(html):
+    """What the builder's own machine and account show is not published: no page, search index or
+    downloadable notebook holds the kit's absolute path or the home directory, no output the
+    host's name, and the cells tagged to leave their output out (the kernel's report, the Slurm
+    cells) have none in the downloads either."""
+    texts = site_text(html)
+    found = {(name, path) for name, text in texts.items()
+             for path in (str(KIT_ROOT), str(Path.home())) if path in text}
+    assert sorted(found)[:20] == []
+    host = re.compile(rf"\b{re.escape(socket.gethostname())}\b")
+    left_out = 0
+    for download in (html / "_sources" / "notebooks").rglob("*.ipynb"):
+        for cell in nbformat.read(download, as_version=4).cells:
+            shown = "\n".join(part for output in cell.get("outputs", []) for part in (
+                [output.get("text", "")] + [value for mime, value in output.get("data", {}).items()
+                                            if mime.startswith("text/")]))
+            assert not host.search(shown), (download.name, cell.source[:80])
+            if book.PRIVATE_OUTPUT_TAG in cell.metadata.get("tags", []):
+                assert cell.outputs == [], (download.name, cell.source[:80])
+                left_out += 1
+    assert left_out >= 3  # lesson 00's kernel report and Slurm cell, lesson 07's job array
 
 
 def test_the_instructors_edition_shows_every_solution_and_hidden_test(instructor_book):

@@ -1,7 +1,8 @@
 """nbgrader: student versions hold no solutions or hidden tests; autograde skips the demo cells
-and still grades right: the source scores full marks, the untouched student version zero on every
-graded cell, and leaving exercises unsolved, or answering them by calling the kit's own function
-for the same thing, loses exactly those exercises' points."""
+and still grades right: the untouched student version scores zero on every graded cell, and in a
+submission that solves every other exercise, the solved ones score full marks while the others,
+left unsolved or answered by calling the kit's own function for the same thing, lose exactly
+their points."""
 import shutil
 import textwrap
 
@@ -97,7 +98,7 @@ def course(tmp_path_factory):
 
 def test_the_release_has_no_working_copy(course):
     """Each trainee starts their own; autograde then grades the one handed in, not the course
-    root's (or the solution's handed-in copy would score 0: test_solution_scores_full_marks)."""
+    root's (or the conversion, handed in solved, would score 0)."""
     assert list((course / "notebooks").glob(f"*/{grading.WORKING_COPY}"))
     assert not list((course / "release").glob(f"*/{grading.WORKING_COPY}"))
 
@@ -164,9 +165,10 @@ def left_out(exercise_ids, half):
 @pytest.fixture(scope="module")
 def graded(course, tmp_path_factory):
     """Per lesson, graded once when a test first asks: (exercises, {student: scores}) for the
-    source notebook ("solution"), the release ("blank") and the two halves (HALVES): the source
-    with every other exercise's solution put back as released or, where the kit computes the same
-    thing, replaced by a call to the kit (SHORTCUTS)."""
+    release ("blank") and the two halves (HALVES): the source with every other exercise's
+    solution put back as released or, where the kit computes the same thing, replaced by a call
+    to the kit (SHORTCUTS). Between them, the halves solve every exercise once: the source itself
+    is not graded again."""
     results = {}
 
     def grade(lesson):
@@ -174,7 +176,7 @@ def graded(course, tmp_path_factory):
             folder = tmp_path_factory.mktemp(f"submissions-{lesson}")
             source = nbformat.read(source_notebook(lesson), as_version=4)
             release = nbformat.read(course / "release" / lesson / f"{lesson}.ipynb", as_version=4)
-            notebooks = {"solution": source, "blank": release}
+            notebooks = {"blank": release}
             for half in HALVES:
                 notebooks[half] = without(source, release, SHORTCUTS.get(lesson, {}),
                                           left_out(list(exercises(source)), half))
@@ -230,23 +232,18 @@ def test_lesson_marks_its_demonstrations_for_autograde_to_skip(lesson):
 
 
 @pytest.mark.parametrize("lesson", LESSONS)
-def test_solution_scores_full_marks(graded, lesson):
-    _, scores = graded(lesson)
-    solution = scores["solution"]
-    assert len(solution) >= 3 and all(score == maximum for score, maximum in solution.values())
-
-
-@pytest.mark.parametrize("lesson", LESSONS)
 def test_untouched_student_version_scores_zero(graded, lesson):
     _, scores = graded(lesson)
     assert len(scores["blank"]) >= 3 and all(score == 0 for score, _ in scores["blank"].values())
 
 
 @pytest.mark.parametrize("lesson", LESSONS)
-def test_unsolved_or_shortcut_exercises_lose_exactly_their_points(graded, lesson):
+def test_solved_exercises_score_full_marks_and_unsolved_or_shortcut_ones_none(graded, lesson):
     exercise_cells, scores = graded(lesson)
     assert len(exercise_cells) >= 3
     assert set(SHORTCUTS.get(lesson, {})) <= set(exercise_cells)
+    graded_cells = {cell for tests in exercise_cells.values() for cell in tests}
+    assert graded_cells == set(scores["blank"])  # every graded cell belongs to an exercise
     for half in HALVES:
         unsolved = left_out(list(exercise_cells), half)
         their_tests = {cell for exercise in unsolved for cell in exercise_cells[exercise]}

@@ -43,9 +43,10 @@
 # multiplication, which is why GPUs are used: an NVIDIA H100 does about 989 **TFLOP/s**
 # (10¹² floating-point operations per second) in bf16, a laptop CPU a fraction of one.
 #
-# First, what does this kernel see?
+# First, what does this kernel see? (Its paths and devices are the machine's that runs it: the
+# book leaves the output out, so run the cell yourself.)
 
-# %% tags=["demo"]
+# %% tags=["demo", "remove-output"]
 from coursekit import envcheck
 
 print(envcheck.report(envcheck.collect()))
@@ -315,8 +316,9 @@ assert total_gpus("#!/bin/bash\n#SBATCH -N 4\n#SBATCH --gres=nvme:1,gpu:4\n") ==
 # %% [markdown]
 # What does Slurm say about the session you are in? On a laptop there is no Slurm, and the cell
 # says so; inside an Open OnDemand JupyterLab the kernel runs in a job and sees its variables.
+# (The book leaves this cell's output out: built on a cluster, it would list the builder's jobs.)
 
-# %% tags=["cluster", "demo"]
+# %% tags=["cluster", "demo", "remove-output"]
 import os
 import shutil
 import subprocess

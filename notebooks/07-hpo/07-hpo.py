@@ -1028,9 +1028,10 @@ print(f"{HPO_BATCH.name} -> {two_node.name}:\n" + "\n".join(changes))
 # The cell below submits the array on a cluster. It is tagged `cluster`: on a laptop, or before
 # you have generated your site's batch files (`python -m coursekit batchfiles --site mysite`),
 # it only prints the commands. Its laptop twin is the study above: the same driver and flags,
-# with 2 local workers instead of array tasks.
+# with 2 local workers instead of array tasks. (The book leaves its output out: on a cluster it
+# would show the builder's own jobs.)
 
-# %% tags=["cluster", "demo"]
+# %% tags=["cluster", "demo", "remove-output"]
 SITE = "generic"  # your site's folder in batchfiles/
 SUBMIT = False  # True to submit from this notebook, on a cluster, once the site's files exist
 batch_file = f"batchfiles/{SITE}/batch-hpo-1n1g.sh"
