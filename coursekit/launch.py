@@ -41,3 +41,15 @@ def torchrun(processes, nodes=1, master_addr="127.0.0.1", master_port=None):
     several nodes, srun starts it once per node after PER_NODE."""
     return [sys.executable, "-m", "torch.distributed.run",
             *torchrun_options(processes, nodes, master_addr, master_port or free_port())]
+
+
+def numbers_of_every_rank(numbers, device):
+    """Each rank's list of integers, in rank order, gathered as one tensor per rank. Not
+    all_gather_object: an object collective unpickles whatever the other end sent."""
+    import torch
+    import torch.distributed as dist
+
+    mine = torch.tensor(numbers, dtype=torch.int64, device=device)
+    gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    return [rank_numbers.tolist() for rank_numbers in gathered]

@@ -36,7 +36,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
-from coursekit import KitError, data, perf, presets, runs, tracking
+from coursekit import KitError, data, launch, perf, presets, runs, tracking
 from coursekit.cli import ArgumentParser, non_negative_float, positive_float, positive_int
 
 STAGE = Path(__file__).stem.removeprefix("train_gpt2_")  # names the default run directory
@@ -366,14 +366,11 @@ def memory_report(model, optimizer, device):
 
 
 def report_memory(run_dir, model, optimizer, device):
-    """Every rank's memory report, printed and written to memory.json by rank 0. The numbers
-    travel as a tensor: an object collective would unpickle whatever the other end sent."""
+    """Every rank's memory report, printed and written to memory.json by rank 0."""
     mine = memory_report(model, optimizer, device)
-    numbers = torch.tensor([mine[part] for part in MEMORY_PARTS], dtype=torch.int64, device=device)
-    gathered = [torch.empty_like(numbers) for _ in range(dist.get_world_size())]
-    dist.all_gather(gathered, numbers)
-    reports = [{**dict(zip(MEMORY_PARTS, rank_numbers.tolist())), "peak_kind": mine["peak_kind"]}
-               for rank_numbers in gathered]  # every rank has the same kind of device
+    every_rank = launch.numbers_of_every_rank([mine[part] for part in MEMORY_PARTS], device)
+    reports = [{**dict(zip(MEMORY_PARTS, numbers)), "peak_kind": mine["peak_kind"]}
+               for numbers in every_rank]  # every rank has the same kind of device
     for rank, r in enumerate(reports):
         print(f"rank {rank} | params {r['params'] / 2**20:.2f} MiB | grads "
               f"{r['grads'] / 2**20:.2f} MiB | optimizer {r['optimizer'] / 2**20:.2f} MiB | "
