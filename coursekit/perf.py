@@ -69,9 +69,10 @@ def table_peak_flops(device_name):
 _measured = {}
 
 
-def measure_matmul_flops(device, dtype=torch.float32, size=1024, seconds=0.3):
+def measure_matmul_flops(device, dtype=torch.float32, size=1024, seconds=0.1):
     """Achieved FLOP/s of square matmuls on ``device``: the practical peak of a CPU (or an unknown
-    accelerator). Measured once per device and dtype in a process."""
+    accelerator). Measured once per device and dtype in a process, briefly: every process of a
+    run measures, and a tenth of a second of 2-GFLOP products is enough for the MFU it scales."""
     key = (str(device), dtype)
     if key not in _measured:
         a = torch.randn(size, size, device=device, dtype=dtype)

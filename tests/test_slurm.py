@@ -29,12 +29,13 @@ TRAINING_FILES = [name for name in CI_FILES if name not in ("batch-data.sh", "ba
                   and not name.startswith(("batch-lora", "batch-hpo"))]
 LORA_FILES = [name for name in CI_FILES if name.startswith("batch-lora")]
 # Slurm runs every launch once, not every file, each on as few processes as show it: std on 1;
-# ddp on 1 node x 2 (the reference, and the requeue tests' file) and on 2 x 2; tp on 2 x 2 (a
-# tensor-parallel pair on each node, data parallel across them); fsdp, pp and lit across 2 nodes
-# x 1; lora on 1 node x 2 (the requeue test's) and 2 x 1. Every other file is the text of one of
-# these with other numbers and stage flags (test_every_file_has_the_text_of_a_file_slurm_runs),
-# and passes `sbatch --test-only`.
-TRAINING_RUNS = ["batch-std-1n1g.sh", "batch-ddp-1n2g.sh", "batch-ddp-2n2g.sh", "batch-tp-2n2g.sh",
+# ddp on 1 node x 2 (the reference, and the requeue tests' file) and, started by srun, on 2 x 1;
+# tp on 2 x 2 (a tensor-parallel pair on each node, data parallel across them: the 2 x 2 shape,
+# whose file is ddp's with --tp added); fsdp, pp and lit across 2 nodes x 1; lora on 1 node x 2
+# (the requeue test's) and 2 x 1. Every other file is the text of one of these with other
+# numbers and stage flags (test_every_file_has_the_text_of_a_file_slurm_runs), and passes
+# `sbatch --test-only`.
+TRAINING_RUNS = ["batch-std-1n1g.sh", "batch-ddp-1n2g.sh", "batch-tp-2n2g.sh",
                  "batch-fsdp-2n1g.sh", "batch-pp-2n1g.sh", "batch-lit-2n1g.sh"]
 LORA_RUNS = ["batch-lora-1n2g.sh", "batch-lora-2n1g.sh"]
 HPO_FILES = [name for name in CI_FILES if name.startswith("batch-hpo")]

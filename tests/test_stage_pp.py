@@ -7,15 +7,14 @@ import pytest
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-from conftest import run_stage, torchrun
+from conftest import TEN_STEPS, run_stage, torchrun
 from coursekit import KIT_ROOT, runs
 from test_stage_fsdp import checkpoint_at_step_5, losses
 
 pytestmark = pytest.mark.stages
 PP_SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_pp.py"
 SCHEDULES = ["gpipe", "1f1b"]
-STEPS = ["--preset", "tiny", "--max-steps", "10", "--eval-interval", "5", "--ckpt-interval", "5",
-         "--device", "cpu"]
+STEPS = TEN_STEPS  # as ddp's reference run; each run below says how long a sample it writes
 TINY_PARAMETER_BYTES = 3_427_712 * 4  # fp32
 TIED_MATRIX_BYTES = 50_304 * 64 * 4  # the token embedding = the output head, vocab x width
 
@@ -53,7 +52,7 @@ def test_a_pipeline_step_equals_the_single_process_step(step_reports, nproc, sch
 
 @pytest.fixture(scope="module")
 def ddp_two(ddp_ten_steps):
-    """10 steps of ddp on 2 processes, as STEPS (conftest's TEN_STEPS) with no sample."""
+    """10 steps of ddp on 2 processes, as STEPS."""
     return runs.read_metrics(ddp_ten_steps)
 
 

@@ -28,7 +28,7 @@ echo "array task $SLURM_ARRAY_TASK_ID: job $SLURM_JOB_ID (restart ${SLURM_RESTAR
 preempted=0
 trap 'preempted=1; kill -USR1 "$worker"' USR1
 python solutions/hpo_optuna.py --preset tiny --data data/builtin --study-dir runs/ci-hpo-1n1g \
-    --trials 3 --max-steps 9 --eval-interval 3 --train-args "--eval-steps 2" &
+    --trials 2 --max-steps 6 --eval-interval 3 --train-args "--eval-steps 2" &
 worker=$!
 status=0
 wait "$worker" || status=$?

@@ -29,7 +29,7 @@ preempted=0
 trap 'preempted=1; kill -USR1 "$worker"' USR1
 python solutions/hpo_optuna.py --preset tiny --data data/builtin --study-dir runs/ci-hpo-2n2g \
     --nodes 2 --nproc-per-node 2 \
-    --trials 3 --max-steps 9 --eval-interval 3 --train-args "--eval-steps 2" &
+    --trials 2 --max-steps 6 --eval-interval 3 --train-args "--eval-steps 2" &
 worker=$!
 status=0
 wait "$worker" || status=$?
