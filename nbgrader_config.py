@@ -31,6 +31,15 @@ c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedb
 c.Autograde.exclude_overwriting = {lesson: [grading.WORKING_COPY]
                                    for lesson in grading.lessons(Path(__file__).parent)}
 c.ExecutePreprocessor.timeout = 600
+# Autograde runs trainees' code: in the kit's grading kernel, a bubblewrap sandbox where it sees
+# no gradebook, no other submission and none of the grader's files, and writes only its own
+# folder (coursekit/sandbox.py; it needs `bwrap`, from the bubblewrap package).
+os.environ["JUPYTER_PATH"] = os.pathsep.join(
+    [str(Path(grading.__file__).with_name("jupyter")), *filter(None, [os.environ.get("JUPYTER_PATH")])])
+c.Execute.kernel_name = grading.GRADING_KERNEL
+# A submission in the exchange that belongs to another user than the trainee it names is refused
+# (nbgrader only warns): one trainee cannot hand in work as another.
+c.ExchangeFactory.collect = grading.OwnerCheckedCollect
 # Autograde runs only what grading needs: cells tagged "demo" (training runs, launches, plots of
 # runs) are not executed, and no graded cell may carry that tag (the kit's sanitising step).
 c.Execute.skip_cells_with_tag = grading.DEMO_TAG

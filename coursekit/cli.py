@@ -17,6 +17,7 @@
     registry register RUN_DIR --name N --alias A [--model-dir D]   a run's model into MLflow
     registry load NAME@ALIAS [--prompt P]      load a registered model back and complete P
     free-port                                  a TCP port free on this host now (batch files)
+    mlflow-server [--store URI] [--port P]     MLflow's UI on 127.0.0.1 behind your own password
     trainee-kit --out DIR                      the kit as trainees get it: no solution, no hidden test
 """
 import argparse
@@ -148,6 +149,16 @@ def build_parser():
     registry.add_argument("--store", help="load: tracking URI (default MLFLOW_TRACKING_URI or "
                                           "runs/mlflow.db)")
     registry.add_argument("--prompt", default="The", help="load: text to complete")
+
+    server = commands.add_parser("mlflow-server", help="MLflow's UI and API on 127.0.0.1, "
+                                 "behind a password only you can read")
+    server.add_argument("--store", help="tracking URI (default MLFLOW_TRACKING_URI or "
+                                        "runs/mlflow.db)")
+    server.add_argument("--artifacts", help="where it stores uploaded artifacts (default "
+                                            "runs/mlartifacts)")
+    server.add_argument("--port", type=int, help="TCP port (default: one free now)")
+    server.add_argument("--state", default="runs/mlflow-server",
+                        help="the password and user database, kept private (default %(default)s)")
     return parser
 
 
@@ -162,6 +173,13 @@ def run_trainee_kit(args):
 def run_free_port(args):
     from coursekit import launch
     print(launch.free_port())
+
+
+def run_mlflow_server(args):
+    from coursekit import mlflow_server
+    mlflow_server.serve(args.store, args.artifacts, args.port, args.state)
+
+
 def run_envcheck(args):
     from coursekit import envcheck
     info = envcheck.collect()
@@ -295,7 +313,7 @@ COMMANDS = {"envcheck": run_envcheck, "tokenizer": run_tokenizer, "data": run_da
             "presets": run_presets, "assignments": run_assignments, "book": run_book, "diffs": run_diffs,
             "batchfiles": run_batchfiles, "export-hf": run_export_hf, "instruct": run_instruct,
             "verify-data": run_verify_data, "registry": run_registry, "free-port": run_free_port,
-            "trainee-kit": run_trainee_kit}
+            "mlflow-server": run_mlflow_server, "trainee-kit": run_trainee_kit}
 
 
 def main(argv=None):

@@ -6,13 +6,19 @@ The course root holds nbgrader_config.py; `generate` writes student versions to 
 Autograde runs only what grading needs. Cells tagged ``demo`` (training runs, launches, plots of
 runs: what a lesson shows but no exercise needs) are not executed when grading; nbval and the
 book still run them. `GradedCellsRun` keeps a submission from tagging a graded cell away.
+
+What autograde runs is trainees' code: it runs in the grading kernel, a sandbox that sees no
+gradebook, no other submission and none of the grader's files (coursekit/sandbox.py).
+`OwnerCheckedCollect` refuses a submission handed in under another trainee's name.
 """
 import os
+import pwd
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+from nbgrader.exchange.default import ExchangeCollect
 from nbgrader.preprocessors import NbGraderPreprocessor
 
 from coursekit import KitError, diffs, stages
@@ -20,6 +26,8 @@ from coursekit.diffs import WORKING_COPY
 
 #: The cell tag that autograde skips (nbgrader_config.py sets it as Execute.skip_cells_with_tag).
 DEMO_TAG = "demo"
+#: The kernel autograde runs submissions in (coursekit/jupyter/kernels/, coursekit/sandbox.py).
+GRADING_KERNEL = "coursekit-grading"
 #: Lessons that grade the working copy (coursekit.diffs.WORKING_COPY) handed in with the notebook:
 #: {lesson: that exercise's id}. A release has no working copy: each trainee starts their own.
 GRADED_WORKING_COPIES = {"02-ddp": "conversion"}
@@ -41,6 +49,32 @@ class GradedCellsRun(NbGraderPreprocessor):
         if DEMO_TAG in tags and any(nbgrader.get(kind) for kind in ("grade", "solution", "locked")):
             cell.metadata["tags"] = [tag for tag in tags if tag != DEMO_TAG]
         return cell, resources
+
+
+class OwnerCheckedCollect(ExchangeCollect):
+    """nbgrader's collect, except that a submission whose folder in the exchange belongs to
+    another user than the trainee it names is an error, where nbgrader's own only warns: it is
+    not collected, the others are, and the command fails naming it (nbgrader_config.py).
+    (``fail`` logs the message and raises nbgrader's ExchangeError.)"""
+
+    def copy_files(self):
+        forged = {record["filename"]: owner for record in self.src_records
+                  if (owner := owner_name(Path(self.inbound_path) / record["filename"]))
+                  != record["username"]}
+        self.src_records = [record for record in self.src_records
+                            if record["filename"] not in forged]
+        super().copy_files()
+        if forged:
+            self.fail("not collected, as each names a trainee who does not own it: " +
+                      ", ".join(f"{name} (owned by {owner})" for name, owner in forged.items()))
+
+
+def owner_name(path):
+    uid = path.stat().st_uid
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return f"user id {uid}"
 
 
 def sanitize_preprocessors():

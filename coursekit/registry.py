@@ -9,6 +9,7 @@ the registry entry leads back to its parameters, metrics and data manifest.
 """
 import contextlib
 import os
+import tempfile
 from pathlib import Path
 
 from coursekit import KIT_ROOT, KitError, runs, tracking
@@ -68,7 +69,9 @@ def register(run_dir, name, alias, model_dir=None):
 
 
 def load(reference, store=None):
-    """The pyfunc model registered as ``NAME@ALIAS`` (or ``NAME/VERSION``)."""
+    """The model registered as ``NAME@ALIAS`` (or ``NAME/VERSION``), with ``predict(prompts)``.
+    Its files are downloaded and read as data (coursekit.mlflow_model.Completer): nothing in the
+    store runs, so a store that someone else could write cannot make you run their code."""
     if "@" not in reference and "/" not in reference:
         raise KitError(f"{reference!r}: name a registered model as NAME@ALIAS (kit-std@champion) "
                        "or NAME/VERSION (kit-std/1)")
@@ -76,11 +79,29 @@ def load(reference, store=None):
     check_store_exists(store)
     import mlflow
     from mlflow.exceptions import MlflowException
-    try:
-        with using_store(store):
-            return mlflow.pyfunc.load_model(f"models:/{reference}")
-    except MlflowException as err:
-        raise KitError(f"models:/{reference}: {' '.join(str(err).split())[:300]}") from None
+
+    from coursekit.mlflow_model import Completer
+    with tempfile.TemporaryDirectory() as scratch:
+        try:
+            with using_store(store):
+                files = Path(mlflow.artifacts.download_artifacts(f"models:/{reference}",
+                                                                 dst_path=scratch))
+        except MlflowException as err:
+            raise KitError(f"models:/{reference}: {' '.join(str(err).split())[:300]}") from None
+        model_dir = hugging_face_directory(files)
+        if model_dir is None or not any(model_dir.glob("*.safetensors")):
+            raise KitError(f"models:/{reference} holds no safetensors weights: the kit loads "
+                           "weights only in that format (others can run code when loaded)")
+        return Completer(model_dir)
+
+
+def hugging_face_directory(files):
+    """Where the downloaded model ``files`` keep the Hugging Face directory, as their MLmodel
+    file (YAML, read as data) says; None if that is not a folder among them."""
+    import yaml
+    flavor = yaml.safe_load((files / "MLmodel").read_text())["flavors"]["python_function"]
+    folder = (files / flavor["artifacts"]["model"]["path"]).resolve()
+    return folder if folder.is_dir() and folder.is_relative_to(files.resolve()) else None
 
 
 def check_store_exists(uri):

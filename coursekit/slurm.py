@@ -433,23 +433,19 @@ def data_job(profile):
 
 
 def mlflow_ui_job(profile):
-    """The MLflow UI as a job, bound to the compute node's 127.0.0.1; the trainee tunnels to it
-    through the login node. Other users of that node reach 127.0.0.1 too, and the UI has no
-    login: see "Sharing a cluster safely" in the cluster chapter."""
+    """The MLflow UI as a job, bound to the compute node's 127.0.0.1 and behind a password only
+    the job's owner can read (coursekit/mlflow_server.py): other users of the node reach
+    127.0.0.1 too. The trainee tunnels to it through the login node."""
     site = profile["name"]
     lines = header("The MLflow UI over the runs' tracking store (runs/mlflow.db), on the compute "
-                   "node's 127.0.0.1 only.", profile, site)
+                   "node's 127.0.0.1 only, behind your own password.", profile, site)
     lines += ["# It needs no GPU: on a site with a CPU partition, submit with --partition=<it>."]
     lines += sbatch_lines(profile, "mlflow-ui", 1, 1, 1, requeue=False)
     lines += [*job_preamble(profile, "$SLURM_CPUS_PER_TASK"),
-              "PORT=$(python -m coursekit free-port)  # free now, not one another user can work out",
-              'STORE="${MLFLOW_TRACKING_URI:-sqlite:///$PWD/runs/mlflow.db}"',
-              'echo "MLflow UI of $STORE on $(hostname):$PORT (127.0.0.1 only). From your laptop:"',
-              'ME=$(id -un)',
-              'echo "  ssh -N -J $ME@<login node> -L $PORT:127.0.0.1:$PORT $ME@$(hostname)"',
-              'echo "then open http://127.0.0.1:$PORT; scancel $SLURM_JOB_ID when done."',
-              'exec mlflow server --host 127.0.0.1 --port "$PORT" --backend-store-uri "$STORE" \\',
-              '    --artifacts-destination "$PWD/runs/mlartifacts" --workers 1']
+              'echo "scancel $SLURM_JOB_ID when done."',
+              "# the port: one free now, not one another user can work out; the password: in",
+              "# runs/mlflow-server/password, which only you can read (this log names the file)",
+              'exec python -m coursekit mlflow-server --artifacts "$PWD/runs/mlartifacts"']
     return "\n".join(lines) + "\n"
 
 

@@ -6,13 +6,17 @@ installed, fails the run on CI (CI set) and whenever the tests run as root, wher
 be installed and started. A developer running tests as non-root with CI unset may see such skips
 (the Slurm cluster needs root); the run then passes, and its summary lists them under a banner.
 """
+import base64
 import contextlib
 import fcntl
+import getpass
 import os
 import shutil
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import nbformat
@@ -435,3 +439,27 @@ class CreatesFile:
 
     def __reduce__(self):
         return open, (self.path, "w")
+
+
+# --- The kit's MLflow server (coursekit/mlflow_server.py) ---------------------------------------
+def mlflow_server_command(state, *args):
+    return [sys.executable, "-m", "coursekit", "mlflow-server", "--state", str(state),
+            *map(str, args)]
+
+
+def owner_login(state):
+    """(user name, password) of the kit's MLflow server that keeps its state in ``state``."""
+    return getpass.getuser(), (Path(state) / "password").read_text().strip()
+
+
+def http_get(url, login=None, headers=None):
+    """(status, body) of GET ``url``, sent with HTTP basic ``login`` (user, password) if given."""
+    headers = dict(headers or {})
+    if login:
+        headers["Authorization"] = "Basic " + base64.b64encode(":".join(login).encode()).decode()
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                    timeout=10) as reply:
+            return reply.status, reply.read()
+    except urllib.error.HTTPError as refused:
+        return refused.code, b""

@@ -3,12 +3,15 @@ and still grades right: the untouched student version scores zero on every grade
 submission that solves every other exercise, the solved ones score full marks while the others,
 left unsolved or answered by calling the kit's own function for the same thing, lose exactly
 their points."""
+import contextlib
+import json
 import shutil
 import textwrap
 
 import nbformat
 import pytest
 
+from conftest import debian_tool
 from coursekit import KIT_ROOT, KitError, diffs, grading, trainee
 
 pytestmark = pytest.mark.grading
@@ -86,6 +89,7 @@ SHORTCUTS = {
 def course(tmp_path_factory):
     """A copy of the course root with the student versions generated, as `make assignments` does.
     Its lessons hold working copies, as they do once an instructor has run them in place."""
+    debian_tool("bwrap", "bubblewrap")  # the grading kernel's sandbox (coursekit/sandbox.py)
     root = tmp_path_factory.mktemp("course")
     shutil.copy(KIT_ROOT / "nbgrader_config.py", root)
     shutil.copytree(KIT_ROOT / "notebooks", root / "notebooks",
@@ -180,15 +184,18 @@ def graded(course, tmp_path_factory):
             for half in HALVES:
                 notebooks[half] = without(source, release, SHORTCUTS.get(lesson, {}),
                                           left_out(list(exercises(source)), half))
-            if lesson == LESSONS[0]:  # the sanitising step is the same for every lesson
+            if lesson == LESSONS[0]:  # the sanitising step and the sandbox: the same everywhere
                 notebooks["blank-tests-tagged-demo"] = with_graded_cells_tagged_demo(release)
+                notebooks["intruder"] = with_intrusion(source, lesson)
             unconverted = {"blank", *(half for half in HALVES if grading.GRADED_WORKING_COPIES.get(
                 lesson) in left_out(list(exercises(source)), half))}
             submissions = {student: grading.hand_in(folder / student, lesson, notebook,
                                             converted=student not in unconverted)
                            for student, notebook in notebooks.items()}
             try:
-                results[lesson] = exercises(source), grading.autograde(course, lesson, submissions)
+                with grader_with_secrets(tmp_path_factory.mktemp("grader-home")):
+                    results[lesson] = exercises(source), grading.autograde(course, lesson,
+                                                                           submissions)
             except KitError as failure:  # nbgrader failed: every test of the lesson reports it
                 results[lesson] = failure
         if isinstance(results[lesson], KitError):
@@ -196,6 +203,54 @@ def graded(course, tmp_path_factory):
         return results[lesson]
 
     return grade
+
+
+#: A cell that a trainee adds to a solved notebook: it tries to change the gradebook and the kit,
+#: and to read another trainee's submission and the lesson's hidden tests, and prints how each
+#: attempt ended (the sandbox must make every one fail).
+INTRUSION = """
+import json
+import os
+from pathlib import Path
+
+from coursekit import KIT_ROOT
+
+course = Path.cwd().parents[2]  # graded in course/autograded/<student>/<lesson>/
+attempts = {
+    "write the gradebook": lambda: open(course / "gradebook.db", "r+b").write(b"0" * 100),
+    "list the submissions": lambda: [p.name for p in (course / "submitted").iterdir()],
+    "read another's": lambda: (course / "submitted" / "blank" / LESSON / f"{LESSON}.ipynb").read_text(),
+    "read the hidden tests": lambda: (KIT_ROOT / "notebooks" / LESSON / f"{LESSON}.ipynb").read_text(),
+    "change the kit": lambda: open(KIT_ROOT / "coursekit" / "exercise.py", "a").write("#"),
+    "read the grader's .netrc": lambda: (Path.home() / ".netrc").read_text(),
+    "find the grader's tokens": lambda: [name for name in os.environ if "TOKEN" in name],
+}
+outcomes = {}
+for name, attempt in attempts.items():
+    try:
+        outcomes[name] = f"got {attempt()!r:.40}"
+    except OSError:
+        outcomes[name] = "refused"
+print("INTRUSION", json.dumps(outcomes))
+"""
+
+
+@contextlib.contextmanager
+def grader_with_secrets(home):
+    """Grading as someone whose home holds a .netrc and whose environment holds a token, as a
+    real grader's may (INTRUSION looks for both)."""
+    (home / ".netrc").write_text("machine example.org login grader password not-for-trainees\n")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("HOME", str(home))
+        patch.setenv("COURSE_API_TOKEN", "not-for-trainees")
+        yield
+
+
+def with_intrusion(notebook, lesson):
+    """A copy of ``notebook`` whose first cell is INTRUSION (a cell of the trainee's own)."""
+    copy = nbformat.from_dict(notebook)
+    copy.cells.insert(0, nbformat.v4.new_code_cell(f"LESSON = {lesson!r}\n{INTRUSION}"))
+    return copy
 
 
 def without(source, release, shortcuts, exercise_ids):
@@ -262,6 +317,22 @@ def test_grades_and_trainees_work_are_readable_by_the_instructor_alone(course, g
     assert released.stat().st_mode & 0o044 == 0o044  # trainees copy the release
 
 
+def test_a_submission_reaches_no_gradebook_no_other_work_and_no_grader_file(course, graded):
+    """Graded in the sandbox, a trainee's own cell could neither write nor read what is not
+    theirs, and their solved notebook still got full marks in the gradebook."""
+    _, scores = graded(LESSONS[0])
+    assert scores["intruder"] and all(score == maximum for score, maximum in
+                                      scores["intruder"].values())
+    graded_notebook = nbformat.read(course / "autograded" / "intruder" / LESSONS[0] /
+                                    f"{LESSONS[0]}.ipynb", as_version=4)
+    printed = "".join(output.get("text", "") for output in graded_notebook.cells[0].outputs)
+    outcomes = json.loads(printed.split("INTRUSION ", 1)[1])
+    assert outcomes == {"write the gradebook": "refused", "list the submissions": "got []",
+                        "read another's": "refused", "read the hidden tests": "refused",
+                        "change the kit": "refused", "read the grader's .netrc": "refused",
+                        "find the grader's tokens": "got []"}, outcomes
+
+
 def test_a_test_cell_tagged_demo_is_still_run(graded):
     """A student who tags the release's test cells `demo` still scores zero."""
     _, scores = graded(LESSONS[0])
@@ -298,3 +369,26 @@ def test_the_trainee_kit_holds_student_versions_and_no_answer(tmp_path_factory):
         assert "raise NotImplementedError()" in trainee.lines_of(folder / f"{lesson}.ipynb")
         text = (folder / f"{lesson}.ipynb").read_text()
         assert "BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
+
+
+def test_a_submission_under_another_trainees_name_is_not_collected(course, tmp_path):
+    """Through nbgrader's exchange: a real submission is collected; a copy of it renamed to claim
+    another trainee (it still belongs to its author) makes collect fail, naming it."""
+    lesson = LESSONS[0]
+    exchange = [f"--Exchange.root={tmp_path / 'exchange'}", "--CourseDirectory.course_id=kit"]
+    (tmp_path / "exchange").mkdir()
+    grading.nbgrader(course, "release_assignment", lesson, *exchange)
+    trainee = tmp_path / "trainee"
+    trainee.mkdir()
+    for step in ("fetch_assignment", "submit"):
+        grading.nbgrader(trainee, step, lesson, *exchange)
+    inbound = tmp_path / "exchange" / "kit" / "inbound"
+    [handed_in] = inbound.iterdir()
+    author = handed_in.name.split("+", 1)[0]
+    forged = inbound / handed_in.name.replace(f"{author}+", "alice+", 1)
+    shutil.copytree(handed_in, forged)
+    with pytest.raises(KitError) as refused:
+        grading.nbgrader(course, "collect", lesson, *exchange)
+    assert f"{forged.name} (owned by {author})" in str(refused.value)
+    assert (course / "submitted" / author / lesson / f"{lesson}.ipynb").is_file()
+    assert not (course / "submitted" / "alice").exists()

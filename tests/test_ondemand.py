@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import debian_tool, free_port
+from conftest import debian_tool, free_port, http_get, mlflow_server_command, owner_login
 from coursekit import KIT_ROOT
 
 APP = KIT_ROOT / "ondemand"
@@ -289,7 +289,8 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
 
 def wait_for_jupyter(url, token, process, log, timeout=90):
-    """Poll Jupyter's status API until it answers with the token; fail early if it exits."""
+    """Poll a URL of the session with its token until it answers, and return the answer's body;
+    fail early if ``process`` (the session, or a server started in it) exits."""
     request = urllib.request.Request(url, headers={"Authorization": f"token {token}"})
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -297,7 +298,7 @@ def wait_for_jupyter(url, token, process, log, timeout=90):
             pytest.fail(f"the session ended with {process.returncode}:\n{log.read_text()}")
         try:
             with urllib.request.urlopen(request, timeout=5) as answer:
-                return json.load(answer)
+                return answer.read()
         except (urllib.error.URLError, ConnectionError):
             time.sleep(0.5)  # the interval between two requests: the loop waits for an answer
     pytest.fail(f"JupyterLab did not answer within {timeout} s:\n{log.read_text()}")
@@ -358,7 +359,7 @@ def test_session_starts_jupyterlab_behind_the_node_proxy(ruby, tmp_path):
     try:
         conn = connection_file(job, session, log)
         base = f"http://127.0.0.1:{conn['port']}/node/{conn['host']}/{conn['port']}"
-        status = wait_for_jupyter(f"{base}/api/status", conn["password"], session, log)
+        status = json.loads(wait_for_jupyter(f"{base}/api/status", conn["password"], session, log))
         assert "started" in status
 
         # The job's output says what it found; the server process has the course environment.
@@ -414,18 +415,22 @@ def test_session_starts_jupyterlab_behind_the_node_proxy(ruby, tmp_path):
             browser.open(wrong, timeout=10)
         assert refused.value.code == 401
 
-        # The MLflow UI of lesson 06, started in the session on 127.0.0.1, through the portal:
-        # jupyter-server-proxy serves it behind the session's own login.
-        ui_port = free_port()
-        ui = subprocess.Popen([str(KIT_ROOT / ".venv" / "bin" / "mlflow"), "server", "--host",
-                               "127.0.0.1", "--port", str(ui_port), "--backend-store-uri",
-                               f"sqlite:///{tmp_path / 'mlflow.db'}", "--workers", "1"],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)
+        # The MLflow UI of lesson 06, started in the session on 127.0.0.1 by the kit, through
+        # the portal: jupyter-server-proxy serves it behind the session's own login, and MLflow
+        # asks for its owner's password as well (other users of the node reach 127.0.0.1 too).
+        ui_port, state = free_port(), tmp_path / "mlflow-server"
+        ui = subprocess.Popen(mlflow_server_command(
+            state, "--store", f"sqlite:///{tmp_path / 'mlflow.db'}", "--artifacts",
+            tmp_path / "mlartifacts", "--port", ui_port), stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL, start_new_session=True)
         try:
-            search = f"{base}/proxy/{ui_port}/ajax-api/2.0/mlflow/experiments/search?max_results=5"
-            experiments = wait_for_jupyter(search, conn["password"], ui, log, timeout=180)
-            assert "experiments" in experiments
+            proxied = f"{base}/proxy/{ui_port}"
+            wait_for_jupyter(f"{proxied}/health", conn["password"], ui, log, timeout=180)
+            search = f"{proxied}/ajax-api/2.0/mlflow/experiments/search?max_results=5"
+            session_cookie = {"Cookie": cookie.split(";", 1)[0]}
+            assert http_get(search, headers=session_cookie)[0] == 401  # the session's alone
+            status, body = http_get(search, owner_login(state), headers=session_cookie)
+            assert status == 200 and "experiments" in json.loads(body)
             with pytest.raises(urllib.error.HTTPError) as anonymous:  # no login, no MLflow
                 urllib.request.build_opener(_NoRedirect).open(search, timeout=10)
             assert anonymous.value.code in (302, 403)

@@ -20,6 +20,7 @@ import urllib.request
 import psutil
 import pytest
 
+from conftest import http_get, owner_login
 from coursekit import KIT_ROOT, data, runs, slurm, widgets
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -308,7 +309,7 @@ def test_data_job_prepares_the_corpus_byte_for_byte_again(cluster, builtin_in_ki
     assert [name for name in before if after[name] != before[name]] == []
 
 
-def test_mlflow_ui_job_serves_the_tracking_store_on_loopback_only(cluster):
+def test_mlflow_ui_job_serves_the_tracking_store_to_its_owner_on_loopback_only(cluster):
     job_id = submit(cluster, "batch-mlflow-ui.sh")
     log = cluster["logs"] / f"batch-mlflow-ui.sh.{job_id}.out"
     try:
@@ -317,8 +318,10 @@ def test_mlflow_ui_job_serves_the_tracking_store_on_loopback_only(cluster):
                               120, "the job did not print its port").group(1))
         url = f"http://127.0.0.1:{port}"
         wait_until(lambda: answers(f"{url}/health"), 180, "the MLflow UI did not answer")
-        with urllib.request.urlopen(f"{url}/api/2.0/mlflow/experiments/search?max_results=5") as r:
-            assert "experiments" in json.load(r)
+        search = f"{url}/api/2.0/mlflow/experiments/search?max_results=5"
+        assert http_get(search)[0] == 401  # what another user of the node gets
+        status, body = http_get(search, owner_login(KIT_ROOT / "runs" / "mlflow-server"))
+        assert status == 200 and "experiments" in json.loads(body)
         listening = {c.laddr.ip for c in psutil.net_connections("tcp")
                      if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
         assert listening == {"127.0.0.1"}

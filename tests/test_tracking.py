@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -13,8 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import free_port, kit_env, run_stage, torchrun
-from coursekit import KIT_ROOT, runs
+from conftest import (CreatesFile, free_port, http_get, kit_env, mlflow_server_command, owner_login,
+                      run_stage, torchrun)
+from coursekit import KIT_ROOT, KitError, runs
 
 pytestmark = pytest.mark.stages
 STEPS = 4
@@ -110,22 +112,32 @@ def test_tensorboard_event_files_hold_every_step(builtin_data, tmp_path):
            [(r["step"], r["loss"]) for r in logged]
 
 
-def test_mlflow_server_over_http_receives_a_run(builtin_data, tmp_path):
-    port = free_port()
-    server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "mlflow"), "server", "--host", "127.0.0.1", "--port",
-         str(port), "--backend-store-uri", f"sqlite:///{tmp_path / 'server.db'}",
-         "--artifacts-destination", str(tmp_path / "server-artifacts"), "--workers", "1"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+def test_the_kits_mlflow_server_lets_in_its_owner_alone(builtin_data, tmp_path):
+    """Another user of the node reaches 127.0.0.1 too: without the owner's password (kept where
+    only the owner reads it) every request is refused; with it, a run logs over HTTP."""
+    port, state = free_port(), tmp_path / "state"
+    server = subprocess.Popen(mlflow_server_command(
+        state, "--store", f"sqlite:///{tmp_path / 'server.db'}", "--artifacts",
+        tmp_path / "server-artifacts", "--port", port), stdout=subprocess.PIPE, text=True,
+        env=kit_env(), start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
         wait_for(f"{url}/health", server)
+        assert stat.S_IMODE(state.stat().st_mode) == 0o700
+        assert stat.S_IMODE((state / "password").stat().st_mode) == 0o600
+        user, password = owner = owner_login(state)
+        runs_of_nobody = f"{url}/api/2.0/mlflow/experiments/search?max_results=5"
+        for login in (None, (user, "guessed"), ("someone-else", password)):
+            assert http_get(runs_of_nobody, login)[0] == 401, login
+            assert http_get(f"{url}/", login)[0] == 401, login  # nor the UI
         out = tmp_path / "served-run"
         tracked_run("train_gpt2_std.py", out, builtin_data, "--track", "mlflow",
-                    env=kit_env({"MLFLOW_TRACKING_URI": url}))
+                    env=kit_env({"MLFLOW_TRACKING_URI": url, "MLFLOW_TRACKING_USERNAME": user,
+                                 "MLFLOW_TRACKING_PASSWORD": password}))
         run_id = json.loads((out / "tracking.json").read_text())["run_id"]
-        with urllib.request.urlopen(f"{url}/api/2.0/mlflow/runs/get?run_id={run_id}") as reply:
-            run = json.load(reply)["run"]
+        status, body = http_get(f"{url}/api/2.0/mlflow/runs/get?run_id={run_id}", owner)
+        assert status == 200
+        run = json.loads(body)["run"]
         assert run["info"]["status"] == "FINISHED"
         metrics = {m["key"]: m for m in run["data"]["metrics"]}
         assert metrics["loss"]["step"] == STEPS
@@ -134,7 +146,20 @@ def test_mlflow_server_over_http_receives_a_run(builtin_data, tmp_path):
     finally:
         os.killpg(server.pid, signal.SIGTERM)  # the server and its workers, by PID
         server.wait(timeout=60)
-    assert server.poll() is not None
+    log = server.stdout.read()
+    assert f"{port} (127.0.0.1 only), for {user} alone" in log and password not in log
+
+
+def test_the_mlflow_servers_state_must_be_private(tmp_path):
+    state = tmp_path / "shared"
+    state.mkdir(mode=0o755)
+    state.chmod(0o755)
+    result = subprocess.run(mlflow_server_command(state), capture_output=True, text=True,
+                            env=kit_env())
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"error: {state} must be yours and closed to others (mode "
+                                    "755"), result.stderr
+    assert not (state / "password").exists()
 
 
 def wait_for(url, process, timeout=120):
@@ -165,15 +190,30 @@ def test_registered_model_loads_back_by_alias(std_tracked, tmp_path):
     version = client.get_model_version_by_alias("kit-std", "champion")
     assert version.run_id == run.info.run_id  # the registry leads back to the tracked run
 
-    from coursekit import registry
-    loaded = registry.load("kit-std@champion", client.tracking_uri)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     ids = tokenizer("The", return_tensors="pt").input_ids
     direct = model.generate(ids, max_new_tokens=5, do_sample=False,
                             pad_token_id=tokenizer.eos_token_id)
     expected = tokenizer.decode(direct[0, ids.shape[1]:], skip_special_tokens=True)
+
+    # Someone who can write the store replaces its copy of the model's code, and then its
+    # weights with a pickle: loading runs neither, and refuses the pickle.
+    from coursekit import registry
+    stored = std_tracked.parent / "mlartifacts"  # the SQLite store's artifacts (tracking.py)
+    marker = tmp_path / "ran"
+    code = list(stored.rglob("*.py"))
+    assert code  # MLflow keeps the model's code (coursekit/mlflow_model.py) with its files
+    for path in code:
+        path.write_text(f"open({str(marker)!r}, 'w')\n")
+    loaded = registry.load("kit-std@champion", client.tracking_uri)
     assert loaded.predict(["The"], params={"max_new_tokens": 5}) == [expected]
+    [weights] = stored.rglob("model.safetensors")
+    weights.unlink()
+    torch.save({"weights": CreatesFile(marker)}, weights.with_name("pytorch_model.bin"))
+    with pytest.raises(KitError, match="holds no safetensors weights"):
+        registry.load("kit-std@champion", client.tracking_uri)
+    assert not marker.exists()
 
 
 def test_verify_data_names_a_changed_shard(std_tracked, builtin_data, tmp_path):

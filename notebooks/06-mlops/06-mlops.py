@@ -270,23 +270,25 @@ for metric in ("val_loss", "loss"):
 # ## The MLflow UI, and TensorBoard
 #
 # The same store opens in MLflow's web UI: runs side by side, metric charts, parameters, artifacts,
-# the registry. The UI has *no login*: anyone who can reach its port can read and change every
-# run. So it always listens on `127.0.0.1`, and you reach it through something that checks who
-# you are.
+# the registry. MLflow's plain server has *no login*: anyone who can reach its port can read,
+# change and delete every run, and move the `champion` alias. `127.0.0.1` keeps the network out,
+# but not the other users of the same machine: on a cluster's shared login and compute nodes they
+# reach `127.0.0.1` too. So the kit starts MLflow with its basic-auth app and one account, yours:
 #
-# - *On your own machine*: `mlflow server --host 127.0.0.1 --port 5000 --backend-store-uri
-#   sqlite:///runs/mlflow.db` in the lesson's folder, then open `http://127.0.0.1:5000`.
+# ```bash
+# python -m coursekit mlflow-server        # from the kit's root: the store is runs/mlflow.db
+# ```
+#
+# picks a free port on `127.0.0.1`, makes a random password the first time and keeps it in
+# `runs/mlflow-server/password`, which only you can read (the folder is `0700`), and prints where
+# it listens. Log in as your user name with that password. Every request without it gets
+# `401 Unauthorized`.
+#
+# - *On your own machine*: open the printed `http://127.0.0.1:PORT`.
 # - **On a cluster, as a batch job.** Not on a login node: the generated batch file
-#   `batchfiles/<site>/batch-mlflow-ui.sh` asks for one CPU task for a few hours and runs
-#
-#   ```bash
-#   PORT=$((30000 + SLURM_JOB_ID % 20000))
-#   mlflow server --host 127.0.0.1 --port "$PORT" --backend-store-uri "sqlite:///$PWD/runs/mlflow.db" \
-#       --artifacts-destination "$PWD/runs/mlartifacts" --workers 1
-#   ```
-#
-#   Its output file (`mlflow-ui-<job id>.out`) prints the tunnel to run *on your laptop*,
-#   through the login node to the compute node:
+#   `batchfiles/<site>/batch-mlflow-ui.sh` asks for one CPU task for a few hours and runs the same
+#   command. Its output file (`mlflow-ui-<job id>.out`) names the node and port, and the tunnel to
+#   run *on your laptop*, through the login node to the compute node:
 #
 #   ```bash
 #   sbatch batchfiles/<site>/batch-mlflow-ui.sh      # from the kit's root
@@ -296,12 +298,16 @@ for metric in ("val_loss", "loss"):
 #
 #   then open `http://127.0.0.1:31234`, and `scancel` the job when you are done.
 # - **On Open OnDemand.** In this JupyterLab session, open a terminal (File, New, Terminal) and
-#   start the same `mlflow server --host 127.0.0.1 --port 5000 --backend-store-uri
-#   sqlite:///$PWD/runs/mlflow.db` in the lesson's folder. The kit's environment includes
-#   `jupyter-server-proxy`, so the portal reaches it at the session's address followed by
-#   `proxy/5000/` (such as `https://<portal>/node/<node>/<port>/proxy/5000/`), behind the
-#   portal's login: only you get through. Where a site's JupyterLab lacks the proxy, use the SSH
-#   tunnel above with the session's node.
+#   run the same command in the kit's root. The kit's environment includes `jupyter-server-proxy`,
+#   so the portal reaches it at the session's address followed by `proxy/PORT/` (such as
+#   `https://<portal>/node/<node>/<port>/proxy/31234/`): behind the portal's login, and then
+#   MLflow's. Where a site's JupyterLab lacks the proxy, use the SSH tunnel above with the
+#   session's node.
+#
+# A model registered in the store is code as well as weights: MLflow keeps the model's Python
+# file with it, and MLflow's own loaders import that copy. `python -m coursekit registry load`
+# reads only the weights (safetensors) and JSON files, with the kit's own code; load models with
+# MLflow's loaders only from a store that no one else can write.
 #
 # Tracking to a SQLite file suits one user and a few jobs at a time, as here. Many users, or many
 # jobs writing at once (a large sweep), call for a shared MLflow server: set `MLFLOW_TRACKING_URI` to it in

@@ -1,0 +1,87 @@
+"""An MLflow server for its owner alone: the UI and API of a tracking store behind a password.
+
+    python -m coursekit mlflow-server [--store URI] [--artifacts DIR] [--port P] [--state DIR]
+
+A server on 127.0.0.1 is out of the network's reach, but not out of reach of the other users of
+the same node: on a shared login or compute node any of them could read, change and delete your
+runs, and move a model's `champion` alias. So the kit runs MLflow's basic-auth app. The only
+account is yours (your user name); its password is made once, at random, and kept in
+STATE/password, which only you can read (STATE is made 0700). Every request without it gets
+401. Keep STATE (runs/mlflow-server/ by default) to keep the password across restarts.
+"""
+import getpass
+import os
+import secrets
+import socket
+import stat
+import sys
+from pathlib import Path
+
+from coursekit import KitError, launch, registry, runs
+
+DEFAULT_STATE = Path("runs") / "mlflow-server"
+AUTH_CONFIG = """[mlflow]
+default_permission = NO_PERMISSIONS
+database_uri = sqlite:///{database}
+admin_username = {user}
+authorization_function = mlflow.server.auth:authenticate_request_basic_auth
+"""
+
+
+def private_state(state):
+    """STATE, made 0700 if new; refused in one line if it is someone else's or open to others."""
+    runs.make_run_dir(state)
+    info = state.stat()
+    if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
+        raise KitError(f"{state} must be yours and closed to others (mode "
+                       f"{stat.S_IMODE(info.st_mode):o}, owner id {info.st_uid}): "
+                       f"`chmod 700 {state}`, or pass another --state")
+    return state
+
+
+def secret(path):
+    """The random secret kept in ``path``, made the first time (readable by its owner alone)."""
+    if not path.exists():
+        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+            out.write(secrets.token_urlsafe(24))
+    return path.read_text().strip()
+
+
+def server_command(store, artifacts, port):
+    return [str(Path(sys.executable).parent / "mlflow"), "server", "--app-name", "basic-auth",
+            "--host", "127.0.0.1", "--port", str(port), "--backend-store-uri", store,
+            "--artifacts-destination", str(artifacts), "--workers", "1"]
+
+
+def server_environment(state):
+    """MLflow's auth settings: the account, its password and the session key, from STATE."""
+    user = getpass.getuser()
+    config = state / "basic_auth.ini"
+    config.write_text(AUTH_CONFIG.format(database=(state / "users.db").resolve(), user=user))
+    return {**os.environ, "MLFLOW_AUTH_CONFIG_PATH": str(config),
+            "MLFLOW_AUTH_ADMIN_PASSWORD": secret(state / "password"),
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": secret(state / "session-key")}
+
+
+def how_to_reach(store, port, state):
+    """What the owner reads in the log: where the server is and how to log in."""
+    user, host = getpass.getuser(), socket.gethostname()
+    return "\n".join([
+        f"MLflow server of {store} on {host}:{port} (127.0.0.1 only), for {user} alone: log in as",
+        f"{user} with the password in {state / 'password'} (readable by you alone). From your laptop:",
+        f"  ssh -N -J {user}@<login node> -L {port}:127.0.0.1:{port} {user}@{host}",
+        f"then open http://127.0.0.1:{port}. Scripts on this node log to it with",
+        f"  MLFLOW_TRACKING_URI=http://127.0.0.1:{port} MLFLOW_TRACKING_USERNAME={user} "
+        f"MLFLOW_TRACKING_PASSWORD=$(cat {state / 'password'})"])
+
+
+def serve(store=None, artifacts=None, port=None, state=DEFAULT_STATE):
+    """Print how to reach the server, then become it (exec: signals reach MLflow itself)."""
+    store = store or registry.default_store()
+    state = private_state(Path(state))
+    port = port or launch.free_port()
+    artifacts = artifacts or Path("runs") / "mlartifacts"
+    environment = server_environment(state)
+    print(how_to_reach(store, port, state), flush=True)
+    command = server_command(store, artifacts, port)
+    os.execve(command[0], command, environment)
