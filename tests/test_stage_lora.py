@@ -66,7 +66,7 @@ def test_two_processes_train_like_one_and_save(config, single_run, base_model, t
     out = tmp_path / "run"
     result = launch(config, out, base_model, tasks, *SHORT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    assert f"on 2 process(es)" in result.stdout
+    assert "on 2 process(es)" in result.stdout
     for got, expected in zip(losses(out), losses(single_run), strict=True):
         assert got == pytest.approx(expected, abs=1e-4)
     assert (out / "adapter" / "adapter_model.safetensors").is_file()

@@ -250,7 +250,7 @@ def test_weight_decay_shrinks_the_matrices(flag_runs):
 
 
 def test_n_layer_sets_the_depth(flag_runs):
-    (_, plain_model, plain_config), (_, shallow_model, config) = \
+    (_, _, plain_config), (_, shallow_model, config) = \
         flag_runs["plain"], flag_runs["shallow"]
     assert config["model"]["n_layer"] == 1 and plain_config["model"]["n_layer"] == 4
     expected = sum(p.numel() for p in std.GPT(std.GPTConfig(**config["model"])).parameters())
