@@ -35,7 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
-from coursekit import KIT_ROOT, KitError
+from coursekit import KIT_ROOT, KitError, hub
 
 # ---------------------------------------------------------------------------------------------
 # The GPT-2 tokenizer, offline
@@ -344,7 +344,8 @@ def fineweb_documents(sample_file=None):
     from datasets import load_dataset
 
     if sample_file is None:
-        stream = load_dataset(FINEWEB_REPO, name=FINEWEB_CONFIG, split="train", streaming=True)
+        stream = load_dataset(FINEWEB_REPO, name=FINEWEB_CONFIG, split="train", streaming=True,
+                              revision=hub.PINNED[FINEWEB_REPO])
     else:
         stream = load_dataset(kind, data_files=str(sample_file), split="train", streaming=True)
     # the first row is read now, so that a file in another schema fails before anything is written

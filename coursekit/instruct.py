@@ -25,7 +25,7 @@ import os
 import random
 from pathlib import Path
 
-from coursekit import KitError, data
+from coursekit import KitError, data, hub
 
 WORDS = ["apple", "river", "stone", "cloud", "green", "seven", "house", "light", "paper", "music",
          "water", "table", "north", "spring", "glass", "train", "field", "bread", "night", "smile"]
@@ -150,7 +150,8 @@ def load_splits(source, val_examples=200, seed=SEED):
         loaded = datasets.load_dataset("json", data_files=files)
         return loaded["train"], loaded["val"]
     try:
-        loaded = datasets.load_dataset(source)
+        name, revision = hub.name_and_revision(source)
+        loaded = datasets.load_dataset(name, revision=revision)
     except Exception as err:  # the hub raises many kinds: not found, offline, gated
         raise KitError(f"cannot load data set {source!r} ({type(err).__name__}): check the name, "
                        "or download it on a node with internet (HF_HUB_OFFLINE=1 reads only the "

@@ -32,7 +32,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import (DataLoaderConfiguration, DistributedType,
                               GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed)
 
-from coursekit import KitError, instruct, perf, runs, tracking
+from coursekit import KitError, hub, instruct, perf, runs, tracking
 from coursekit.cli import ArgumentParser, positive_float, positive_int
 
 STAGE = "lora"
@@ -158,9 +158,11 @@ def microbatches(accelerator, loader, start):
 # ----------------------------------------------------------------------------------------------
 def load_pretrained(name):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    repository, revision = hub.name_and_revision(name)  # the hub's at a pinned commit
     try:
-        tokenizer = AutoTokenizer.from_pretrained(name)
-        model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(repository, revision=revision)
+        model = AutoModelForCausalLM.from_pretrained(repository, revision=revision,
+                                                     dtype=torch.float32)
     except OSError as err:  # not a directory, not on the hub, or offline with an empty cache
         raise KitError(f"cannot load --model {name} ({' '.join(str(err).split())[:160]}): give "
                        "a model directory (python -m coursekit export-hf) or a hub id that is in "

@@ -183,3 +183,13 @@ def test_data_cli_errors_are_one_line(tmp_path, args, message):
     assert result.returncode == 2
     assert message in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert "Traceback" not in result.stderr
+
+
+def test_hub_names_load_at_a_pinned_or_given_revision(tmp_path):
+    from coursekit import hub
+    assert hub.name_and_revision("openai-community/gpt2") == \
+        ("openai-community/gpt2", "607a30d783dfa663caf39e06633721c8d4cfcd7e")
+    assert hub.name_and_revision("yahma/alpaca-cleaned@abc123") == ("yahma/alpaca-cleaned", "abc123")
+    assert hub.name_and_revision("yahma/alpaca-cleaned") == ("yahma/alpaca-cleaned", None)
+    assert hub.name_and_revision(str(tmp_path)) == (str(tmp_path), None)  # a local folder
+    assert all(len(commit) == 40 and int(commit, 16) >= 0 for commit in hub.PINNED.values())
