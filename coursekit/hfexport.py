@@ -52,7 +52,7 @@ def export(run_dir, out_dir, force=False, untie=False):
     config, checkpoint = read_run(run_dir)
     check_out_dir(out_dir, run_dir, force)
     cache = tokenizer_cache()  # fail before the slow part, not after it
-    step, kit_state = load_model_state(run_dir, config["stage"], checkpoint)
+    step, kit_state = load_model_state(config["stage"], checkpoint)
     record = {"run_dir": str(run_dir.resolve()), "stage": config["stage"], "step": step,
               "checkpoint": str(checkpoint.resolve()),
               "vocab_size": GPT2_VOCAB, "padded_vocab_size": config["model"]["vocab_size"],
@@ -88,7 +88,7 @@ def read_run(run_dir):
                        "runs (tp, pp and lit checkpoints are not supported)")
     checkpoint = runs.checkpoint_to_resume(run_dir)  # fsdp checkpoints unpickle .metadata
     if checkpoint is None or not checkpoint.is_dir():
-        raise KitError(f"{run_dir} has no checkpoint (ckpt/latest.json): a run saves one every "
+        raise KitError(f"{run_dir} has no checkpoint (ckpt/step_*): a run saves one every "
                        "--ckpt-interval steps and at its last step")
     return config, checkpoint
 
@@ -114,12 +114,12 @@ def tokenizer_cache():
 
 # --- weights -----------------------------------------------------------------------------------
 
-def load_model_state(run_dir, stage, checkpoint):
-    """(step, the kit model's full state_dict on the CPU) of the newest checkpoint."""
+def load_model_state(stage, checkpoint):
+    """(step, the kit model's full state_dict on the CPU) of ``checkpoint``, a run's newest
+    intact one."""
     if stage == "fsdp":
-        step = runs.read_json(runs.checkpoint_dir(run_dir) / "latest.json")["step"]
-        return step, load_sharded_model_state(checkpoint)
-    step, state = runs.load_checkpoint(run_dir)
+        return runs.checkpoint_step(checkpoint), load_sharded_model_state(checkpoint)
+    step, state = runs.read_checkpoint(checkpoint)
     return step, state["model"]
 
 

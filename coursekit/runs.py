@@ -14,13 +14,15 @@ tensors in safetensors and the rest in JSON and unpickles nothing, but PyTorch's
 checkpoints (fsdp, tp, pp) read their `.metadata` with pickle, and DeepSpeed's ZeRO states (lora)
 load with `weights_only=False`. So a run directory is created readable by its owner alone, every
 published checkpoint carries a manifest of its files' SHA-256, and a resume refuses a checkpoint
-that someone else owns or could have written, or whose files no longer match the manifest.
+that someone else owns or could have written. One whose files no longer match its manifest is
+broken (or was changed): a resume warns and takes the one before it.
 """
 import hashlib
 import json
 import os
 import shutil
 import stat
+import sys
 from pathlib import Path
 
 import torch
@@ -246,32 +248,65 @@ def file_hashes(folder):
             if path.is_file() and path.name != MANIFEST}
 
 
+def checkpoint_step(path):
+    """The step a published checkpoint folder (step_NNNNNNNN) was saved at."""
+    return int(Path(path).name.removeprefix("step_"))
+
+
+def published_checkpoints(run_dir):
+    """The complete checkpoints, newest first (each was renamed into place once written)."""
+    return sorted(checkpoint_dir(run_dir).glob("step_*"), reverse=True)
+
+
 def checkpoint_to_resume(run_dir):
-    """The newest checkpoint, once it is shown to be yours and unchanged since it was written;
-    None when there is none. Call it right before loading one."""
-    path = latest_checkpoint(run_dir)
-    if path is None:
-        return None
+    """The newest checkpoint that is yours and unchanged since it was written; None when there is
+    none. A newer one that is broken (a file missing, cut short or changed since its manifest was
+    written: a disk that filled up, a copy that stopped half-way) is passed over, with a one-line
+    warning that names it, for the one before. Call it right before loading one."""
+    broken = []
+    for path in published_checkpoints(run_dir):
+        problem = checkpoint_problem(run_dir, path)
+        if problem is None:
+            if broken:
+                print(f"warning: {'; '.join(broken)}: resuming from {path} instead",
+                      file=sys.stderr, flush=True)
+            return path
+        broken.append(f"checkpoint {path} {problem}")
+    if broken:
+        raise KitError(f"{'; '.join(broken)}: no checkpoint of {run_dir} can be resumed from")
+    return None
+
+
+def checkpoint_problem(run_dir, path):
+    """What is wrong with checkpoint ``path``, or None. One that someone else owns or could have
+    written stops the resume at once (KitError): its files are not yours to trust."""
     manifest = path / MANIFEST
     if not manifest.exists():
-        raise KitError(f"checkpoint {path} has no {MANIFEST}: it was not written by this kit's "
-                       "stages (or by an older version of them), so it is not resumed from")
+        return (f"has no {MANIFEST} (it was not written by this kit's stages, or by an older "
+                "version of them)")
     found = file_hashes(path)
-    refuse_unless_private(run_dir, checkpoint_dir(run_dir), checkpoint_dir(run_dir) / "latest.json",
-                          path, manifest, *(path / name for name in found))
-    expected = read_json(manifest)
+    pointer = checkpoint_dir(run_dir) / "latest.json"
+    refuse_unless_private(run_dir, checkpoint_dir(run_dir), path, manifest,
+                          *(path / name for name in found), *filter(Path.exists, [pointer]))
+    try:
+        expected = read_json(manifest)
+    except ValueError:
+        return f"has an unreadable {MANIFEST}"
     if found != expected:
         changed = sorted(name for name in {*found, *expected} if found.get(name) != expected.get(name))
-        raise KitError(f"checkpoint {path} differs from its {MANIFEST} ({', '.join(changed)}: "
-                       "changed, added or removed since it was written): it is not resumed from")
-    return path
+        return (f"differs from its {MANIFEST} ({', '.join(changed)}: changed, added or removed "
+                "since it was written)")
+    return None
 
 
 def load_checkpoint(run_dir, map_location="cpu"):
-    """(step, state) of the newest checkpoint, or None when there is none."""
+    """(step, state) of the newest intact checkpoint (checkpoint_to_resume), or None."""
     path = checkpoint_to_resume(run_dir)
-    if path is None:
-        return None
+    return None if path is None else read_checkpoint(path, map_location)
+
+
+def read_checkpoint(path, map_location="cpu"):
+    """(step, state) of the checkpoint in folder ``path``."""
     try:
         tensors = load_file(path / "tensors.safetensors", device=str(map_location))
         saved = read_json(path / "state.json")

@@ -260,17 +260,17 @@ def save_checkpoint(run_dir, step, model, optimizer, train_loader, device):
 
 
 def resume(run_dir, model, optimizer, train_loader, device):
-    """Restore the newest checkpoint, if any; return the number of steps already done."""
-    checkpoint = runs.load_checkpoint(run_dir)
-    if checkpoint is None:
+    """Restore the newest intact checkpoint, if any; return the number of steps already done."""
+    path = runs.checkpoint_to_resume(run_dir)
+    if path is None:
         print(f"no checkpoint in {run_dir}: starting from step 0")
         return 0
-    step, state = checkpoint
+    step, state = runs.read_checkpoint(path)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     train_loader.load_state_dict(state["train_loader"])
     set_rng_state(state["rng"], device)
-    print(f"resumed from {runs.latest_checkpoint(run_dir)} at step {step}")
+    print(f"resumed from {path} at step {step}")
     return step
 
 

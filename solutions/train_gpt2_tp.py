@@ -383,7 +383,7 @@ def resume(run_dir, model, optimizer, train_loader, device):
                    optim_state_dict=state["optimizer"])
     train_loader.load_state_dict(state["train_loader"])
     set_rng_state(state["rng"], device)
-    step = runs.read_json(runs.checkpoint_dir(run_dir) / "latest.json")["step"]
+    step = runs.checkpoint_step(path)
     print(f"resumed from {path} at step {step}")
     return step
 

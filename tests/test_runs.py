@@ -173,3 +173,30 @@ def test_a_checkpoint_someone_else_owns_is_not_resumed_from(tmp_path):
         pytest.skip("giving a file to another user needs root (the suite runs as root on CI)")
     message = tampered(tmp_path, lambda path: os.chown(path / "state.json", 65534, -1))
     assert "belongs to user id 65534, not to you" in message
+
+
+def break_truncated_tensors(path):
+    tensors = path / "tensors.safetensors"
+    tensors.write_bytes(tensors.read_bytes()[:tensors.stat().st_size // 2])
+
+
+def break_missing_state(path):
+    (path / "state.json").unlink()
+
+
+def break_bad_json(path):
+    (path / "state.json").write_text('{"step": 4, "state": ')
+
+
+@pytest.mark.parametrize("breaks", [break_truncated_tensors, break_missing_state, break_bad_json],
+                         ids=["truncated tensors", "missing file", "bad JSON"])
+def test_a_broken_newest_checkpoint_gives_way_to_the_one_before(tmp_path, capsys, breaks):
+    runs.save_checkpoint(tmp_path, 2, {"w": torch.full((3,), 2.0)})
+    runs.save_checkpoint(tmp_path, 4, {"w": torch.full((3,), 4.0)})
+    newest = runs.latest_checkpoint(tmp_path)
+    breaks(newest)
+    step, state = runs.load_checkpoint(tmp_path)
+    assert step == 2 and torch.equal(state["w"], torch.full((3,), 2.0))
+    warning = capsys.readouterr().err
+    assert warning.count("\n") == 1 and warning.startswith(f"warning: checkpoint {newest} differs")
+    assert warning.endswith(f"resuming from {tmp_path / 'ckpt' / 'step_00000002'} instead\n")

@@ -73,17 +73,30 @@ def checkpoint_at_step_5(run_dir, copy):
     return copy
 
 
+def shard_lost_at_step_10(run_dir, copy):
+    """A copy of the 2-process run whose last checkpoint lost rank 1's shard, as a disk that
+    filled up or a copy cut short leaves it."""
+    shutil.copytree(run_dir, copy)
+    (copy / "ckpt" / "step_00000010" / "__1_0.distcp").unlink()
+    return copy
+
+
 @pytest.mark.parametrize("nproc", [1, 4])
 def test_a_two_rank_checkpoint_resumes_at_another_world_size(fsdp_two, builtin_data, tmp_path,
                                                              nproc):
+    """On 1 process, from a run whose newest checkpoint is broken: the resume names it in one
+    warning and takes the one before (step 5), as on 4 from a run that stopped after step 5."""
     out, _ = fsdp_two
-    copy = checkpoint_at_step_5(out, tmp_path / "run")
+    copy = (shard_lost_at_step_10 if nproc == 1 else checkpoint_at_step_5)(out, tmp_path / "run")
     # 4 processes x micro-batch 2 x 128 tokens = the same 1,024-token minibatch
     split = ["--micro-batch", "2"] if nproc == 4 else []
     result = torchrun(nproc, FSDP_SCRIPT, *STEPS, *split, "--resume", "--data", builtin_data,
                       "--out", copy)
     assert f"{nproc} processes" in result.stdout
     assert f"resumed from {copy / 'ckpt' / 'step_00000005'} at step 5" in result.stdout
+    if nproc == 1:
+        assert f"warning: checkpoint {copy / 'ckpt' / 'step_00000010'} differs from its " \
+               "manifest.json (__1_0.distcp: changed, added or removed" in result.stderr
     resumed, reference = runs.read_metrics(copy), runs.read_metrics(out)
     assert [r["step"] for r in resumed] == list(range(1, 11))
     # validation reads micro-batches of the run's own size: compare it at the same size only
@@ -108,7 +121,8 @@ def test_a_checkpoint_pickle_written_by_someone_else_is_not_resumed_from(fsdp_tw
     assert result.returncode != 0 and not marker.exists(), result.stderr[-3000:]
     assert result.stderr.strip() == (
         f"error: checkpoint {copy / 'ckpt' / 'step_00000005'} differs from its manifest.json "
-        "(.metadata: changed, added or removed since it was written): it is not resumed from")
+        "(.metadata: changed, added or removed since it was written): no checkpoint of "
+        f"{copy} can be resumed from")
 
 
 SHORT = ["--preset", "tiny", "--max-steps", "3", "--device", "cpu"]

@@ -527,9 +527,10 @@ print(f"{BEST_DIR.name}'s checkpoint {checkpoint.name}: {len(tensors)} tensors "
 # load with `weights_only=False`. For those, what matters is *who could have written the file*.
 # Every stage creates its run directory readable by you alone, writes `manifest.json` (the
 # SHA-256 of every file) into each checkpoint it publishes, and on `--resume` refuses, in one
-# line, a checkpoint that another user owns or could write, or whose files no longer match
-# the manifest. The same rule runs through MLflow below: the kit logs its registered model *as code*
-# (a Python file MLflow imports), not as a pickled Python object.
+# line, a checkpoint that another user owns or could write; one whose files no longer match the
+# manifest is never loaded (the resume warns and takes the checkpoint before it). The same rule
+# runs through MLflow below: the kit logs its registered model *as code* (a Python file MLflow's
+# own loaders import), and `registry load` reads only its weights and JSON files.
 #
 # ## The model registry
 #
