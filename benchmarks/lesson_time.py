@@ -16,7 +16,6 @@ group (the instructor guide says how) and run this again. Writes benchmarks/resu
 import argparse
 import re
 import time
-from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient

@@ -29,18 +29,26 @@ def free_port():
         return probe.getsockname()[1]
 
 
-def torchrun_options(processes, nodes, master_addr, master_port):
+#: How often a batch job's torchrun starts its group again after a process crashed (a segfault,
+#: the out-of-memory killer): the new processes resume from the last checkpoint (every stage is
+#: started with --resume), in the same job, on the same nodes. A crash beyond that fails the job;
+#: its checkpoint stays for the next submission.
+BATCH_RESTARTS = 2
+
+
+def torchrun_options(processes, nodes, master_addr, master_port, restarts=0):
     """torchrun's options for `processes` workers on each of `nodes` nodes, the static
-    rendezvous at master_addr:master_port (values, or shell variables in a batch file)."""
+    rendezvous at master_addr:master_port (values, or shell variables in a batch file), the group
+    started again up to `restarts` times when a process fails."""
     return [f"--nnodes={nodes}", f"--nproc-per-node={processes}", f"--master-addr={master_addr}",
-            f"--master-port={master_port}", FORWARDED_SIGNALS]
+            f"--master-port={master_port}", f"--max-restarts={restarts}", FORWARDED_SIGNALS]
 
 
-def torchrun(processes, nodes=1, master_addr="127.0.0.1", master_port=None):
+def torchrun(processes, nodes=1, master_addr="127.0.0.1", master_port=None, restarts=0):
     """torchrun starting `processes` workers (default: one node, this host, a free port). With
     several nodes, srun starts it once per node after PER_NODE."""
     return [sys.executable, "-m", "torch.distributed.run",
-            *torchrun_options(processes, nodes, master_addr, master_port or free_port())]
+            *torchrun_options(processes, nodes, master_addr, master_port or free_port(), restarts)]
 
 
 def numbers_of_every_rank(numbers, device):

@@ -23,12 +23,13 @@ import os
 import shutil
 import stat
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from coursekit import KitError, data
+from coursekit import KitError, data, faults
 
 KEEP_CHECKPOINTS = 2
 
@@ -209,9 +210,41 @@ def save_checkpoint(run_dir, step, state):
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     skeleton, tensors = flatten_state(state)
-    save_file(tensors, tmp / "tensors.safetensors")
-    write_json_atomic(tmp / "state.json", {"step": step, "state": skeleton})
-    return publish_checkpoint(run_dir, step)
+    with room_for_checkpoint(run_dir, step, state_bytes(tensors)):
+        save_file(tensors, tmp / "tensors.safetensors")
+        write_json_atomic(tmp / "state.json", {"step": step, "state": skeleton})
+        return publish_checkpoint(run_dir, step)
+
+
+def state_bytes(state):
+    """The bytes of the tensors in nested ``state``: whole tensors, every rank's shards of a
+    sharded (DTensor) one, which is what a checkpoint of them takes on a shared file system."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    values = state.values() if isinstance(state, dict) else state
+    return sum(map(state_bytes, values)) if isinstance(state, (dict, list, tuple)) else 0
+
+
+@contextmanager
+def room_for_checkpoint(run_dir, step, needed):
+    """Write checkpoint ``step`` (``needed`` bytes) inside this block, where the disk or the
+    quota may run out. Then the half-written checkpoint goes, the one before it and
+    metrics.jsonl stay as they were, and the run stops with one line that says how much room
+    the checkpoint needs."""
+    try:
+        yield
+    except Exception as err:
+        reason = faults.out_of_room(err)
+        if reason is None:
+            raise
+        shutil.rmtree(unpublished_checkpoint(run_dir, step), ignore_errors=True)
+        free = shutil.disk_usage(checkpoint_dir(run_dir)).free
+        before = latest_checkpoint(run_dir)
+        kept = f"{before} is intact" if before else "there is no earlier checkpoint"
+        raise KitError(f"no room to write checkpoint {checkpoint_dir(run_dir)}/step_{step:08d} "
+                       f"({reason}): it needs {needed:,} bytes and its file system has {free:,} "
+                       f"free; {kept}: make room, or give --out another place, and run again "
+                       "with --resume") from None
 
 
 def unpublished_checkpoint(run_dir, step):

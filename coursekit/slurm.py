@@ -275,7 +275,8 @@ def one_task_per_gpu(stage, profile):
 
 def launch_command(stage, profile, topology, run_dir):
     """The job step, one shell line per part, continued with backslashes."""
-    srun = " ".join(["srun", profile["srun_args"]]).strip()
+    # one task that fails ends the step at once: the others would wait for it until a timeout
+    srun = " ".join(["srun --kill-on-bad-exit=1", profile["srun_args"]]).strip()
     if stage == "lora":  # one task per node: a site's per-GPU binding (launcher srun) fits not
         return accelerate_command("srun" if profile["launcher"] == "srun" else srun, profile,
                                   topology, run_dir)
@@ -283,9 +284,10 @@ def launch_command(stage, profile, topology, run_dir):
         launcher = [f"{srun} python"]
     else:  # torchrun passes SIGUSR1 on to its workers: they checkpoint and exit
         options = launch.torchrun_options(topology.gpus, topology.nodes, '"$MASTER_ADDR"',
-                                          '"$MASTER_PORT"')
-        launcher = [SINGLE_QUOTED_NOTE + f"{srun} {launch.PER_NODE_SHELL} torchrun",
-                    " ".join(options[:-1]), options[-1]]
+                                          '"$MASTER_PORT"', launch.BATCH_RESTARTS)
+        launcher = [RESTARTS_NOTE + SINGLE_QUOTED_NOTE
+                    + f"{srun} {launch.PER_NODE_SHELL} torchrun",
+                    " ".join(options[:-2]), " ".join(options[-2:])]
     args = [f"solutions/train_gpt2_{stage}.py --preset {profile['preset']} "
             f"--data {profile['data']} --out {run_dir} --resume"]
     parallel, replicas = model_parallel_flags(stage, profile, topology)
@@ -299,6 +301,11 @@ def launch_command(stage, profile, topology, run_dir):
         args.append(" ".join(extra))
     return " \\\n    ".join(launcher + args)
 
+
+#: Above a torchrun launch: what --max-restarts does.
+RESTARTS_NOTE = ("# a process that crashes restarts the group, which resumes from the last "
+                 f"checkpoint, at most\n# {launch.BATCH_RESTARTS} times in this job "
+                 "(--max-restarts); a crash after that fails the job, its checkpoint kept\n")
 
 #: Above a command whose single quotes keep $SLURM_NODEID for each node's own shell.
 SINGLE_QUOTED_NOTE = "# shellcheck disable=SC2016  # each node's shell expands them, not this one\n"
@@ -379,6 +386,9 @@ def training_job(stage, topology, profile):
               '  wait "$step" || true  # the training processes checkpoint and exit',
               '  echo "pre-empted: requeueing job $SLURM_JOB_ID, which resumes from its checkpoint"',
               '  scontrol requeue "$SLURM_JOB_ID"',
+              'elif [ "$status" != 0 ]; then',
+              f'  echo "training failed (exit $status; the errors above say why); {run_dir}/ckpt '
+              'keeps the last checkpoint: sbatch this file again to resume from it" >&2',
               "fi",
               'exit "$status"']
     return "\n".join(lines) + "\n"

@@ -35,6 +35,11 @@ RUN_FILES = ("config.json", "metrics.jsonl", "memory.json", "sample.txt", "eval.
 EXPERIMENT = "coursekit"
 # MLflow reports usage to its developers unless told not to; compute nodes are often offline.
 os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+# A tracking server that has gone away fails a request at once, not after minutes of retries
+# (MLflow's defaults: 7 of them, backing off to 2 minutes, each waiting 120 s for an answer):
+# metrics.jsonl keeps every step, and a resumed run logs what the server missed.
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 
 def add_argument(parser):
@@ -145,14 +150,23 @@ class MlflowTracker(Tracker):
         uri = tracking_uri(run_dir)
         client = MlflowClient(tracking_uri=uri)
         if resumed and saved.exists() and runs.read_json(saved).get("tracking_uri") == uri:
-            run_id = runs.read_json(saved)["run_id"]
-            client.update_run(run_id, status="RUNNING")
+            tracker = cls(client, runs.read_json(saved)["run_id"])
+            client.update_run(tracker.run_id, status="RUNNING")
+            tracker.log_missed_steps(run_dir)
         else:
-            run_id = client.create_run(experiment_id(client, run_dir),
-                                       run_name=Path(run_dir).resolve().name).info.run_id
-        remember_run(run_dir, uri, run_id)
-        print(f"tracking: MLflow run {run_id} at {uri}")
-        return cls(client, run_id)
+            tracker = cls(client, client.create_run(experiment_id(client, run_dir),
+                                                    run_name=Path(run_dir).resolve().name).info.run_id)
+        remember_run(run_dir, uri, tracker.run_id)
+        print(f"tracking: MLflow run {tracker.run_id} at {uri}")
+        return tracker
+
+    def log_missed_steps(self, run_dir):
+        """Log the steps of metrics.jsonl that the store does not have: those trained while it
+        was away (a resumed run re-does the steps after its checkpoint, and logs them again)."""
+        logged = {metric.step for metric in self.client.get_metric_history(self.run_id, "loss")}
+        for record in runs.read_metrics(run_dir):
+            if record["step"] not in logged:
+                self.log_step(record)
 
     def describe(self, config):
         from mlflow.entities import Param, RunTag
@@ -172,8 +186,15 @@ class MlflowTracker(Tracker):
         self.queued.append(self.client.log_batch(self.run_id, metrics=metrics, synchronous=False))
 
     def finish(self, run_dir, checkpoint=None):
-        with store_errors(run_dir):
-            self.upload(Path(run_dir), checkpoint)
+        """Upload the artifacts and end the run. A store that went away during the run (a server
+        stopped, a node lost) is a warning, not an error: the run itself is complete."""
+        try:
+            with store_errors(run_dir):
+                self.upload(Path(run_dir), checkpoint)
+        except KitError as lost:
+            print(f"warning: {lost}; metrics.jsonl holds every step: run again with --resume "
+                  "once the store is back, and its MLflow run gets the steps it missed",
+                  file=sys.stderr, flush=True)
 
     def upload(self, run_dir, checkpoint):
         for operation in self.queued:  # a write that failed in the background fails here

@@ -32,7 +32,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import (DataLoaderConfiguration, DistributedType,
                               GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed)
 
-from coursekit import KitError, hub, instruct, perf, runs, tracking
+from coursekit import KitError, faults, hub, instruct, perf, runs, tracking
 from coursekit.cli import ArgumentParser, positive_float, positive_int
 
 STAGE = "lora"
@@ -660,7 +660,4 @@ def report_evaluation(accelerator, run_dir, when, result, predictions=None):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KitError as err:  # problems the user can fix, found after start-up
-        sys.exit(f"error: {err}")
+    sys.exit(faults.run(main))  # a bad value, a lost peer, a full disk: one line, no traceback

@@ -34,7 +34,7 @@ import optuna
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
 from optuna.trial import TrialState
 
-from coursekit import KIT_ROOT, KitError, launch, presets, runs
+from coursekit import KIT_ROOT, KitError, faults, launch, presets, runs
 from coursekit.cli import ArgumentParser, positive_int
 
 SOLUTIONS = Path(__file__).resolve().parent
@@ -473,7 +473,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KitError as err:
-        sys.exit(f"error: {err}")
+    sys.exit(faults.run(main))  # a bad value, a lost peer, a full disk: one line, no traceback

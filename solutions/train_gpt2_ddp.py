@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from coursekit import KitError, data, perf, presets, runs, tracking
+from coursekit import KitError, data, faults, perf, presets, runs, tracking
 from coursekit.cli import ArgumentParser, non_negative_float, positive_float, positive_int
 
 STAGE = Path(__file__).stem.removeprefix("train_gpt2_")  # names the default run directory
@@ -210,7 +210,7 @@ def init_distributed():
     sys.stdout = open(os.devnull, "w") if rank else sys.stdout  # one log: rank 0's
     if world_size > 1:  # gloo for CPU tensors, and NCCL for GPU tensors where there are GPUs
         backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "cpu:gloo"
-        dist.init_process_group(backend, rank=rank, world_size=world_size)  # at MASTER_ADDR:PORT
+        faults.init_process_group(backend, rank, world_size)  # at MASTER_ADDR:PORT
         print(f"{world_size} processes, backends {dist.get_backend_config()}")
     return rank, world_size, local_rank
 
@@ -519,7 +519,4 @@ def write_sample(model, run_dir, args, device):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KitError as err:  # problems the user can fix, found after start-up
-        sys.exit(f"error: {err}")
+    sys.exit(faults.run(main))  # a bad value, a lost peer, a full disk: one line, no traceback

@@ -34,7 +34,7 @@ from lightning.pytorch.utilities import grad_norm
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, TensorDataset
 
-from coursekit import KitError, data, perf, presets, runs, tracking
+from coursekit import KitError, data, faults, perf, presets, runs, tracking
 from coursekit.cli import ArgumentParser, non_negative_float, positive_float, positive_int
 
 STAGE = Path(__file__).stem.removeprefix("train_gpt2_")  # names the default run directory
@@ -533,7 +533,4 @@ def write_sample(model, run_dir, args, device):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KitError as err:  # problems the user can fix, found after start-up
-        sys.exit(f"error: {err}")
+    sys.exit(faults.run(main))  # a bad value, a lost peer, a full disk: one line, no traceback

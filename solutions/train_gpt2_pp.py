@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.checkpoint import checkpoint
 
-from coursekit import KitError, data, launch, perf, presets, runs, tracking
+from coursekit import KitError, data, faults, launch, perf, presets, runs, tracking
 from coursekit.cli import ArgumentParser, non_negative_float, positive_float, positive_int
 
 STAGE = Path(__file__).stem.removeprefix("train_gpt2_")  # names the default run directory
@@ -244,7 +244,7 @@ def init_distributed():
     # "cpu:gloo", on CPU: torch 2.13 warns at exit about FSDP's groups otherwise)
     backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
     if world_size > 1:
-        dist.init_process_group(backend, rank=rank, world_size=world_size)  # at MASTER_ADDR:PORT
+        faults.init_process_group(backend, rank, world_size)  # at MASTER_ADDR:PORT
     else:  # a group of one, in memory: a one-stage pipeline and its checkpoints work the same way
         dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore())
     print(f"{world_size} processes, backends {dist.get_backend_config()}")
@@ -402,9 +402,10 @@ def save_checkpoint(run_dir, step, model, optimizer, train_loader, device):
     """Every rank writes its own stage in parallel (torch.distributed.checkpoint); rank 0
     publishes the checkpoint once the last stage is on disk."""
     state = training_state(model, optimizer, train_loader, device)
-    dcp.save(state, checkpoint_id=runs.unpublished_checkpoint(run_dir, step))
-    if dist.get_rank() == 0:
-        runs.publish_checkpoint(run_dir, step)
+    with runs.room_for_checkpoint(run_dir, step, runs.state_bytes(state)):
+        dcp.save(state, checkpoint_id=runs.unpublished_checkpoint(run_dir, step))
+        if dist.get_rank() == 0:
+            runs.publish_checkpoint(run_dir, step)
     dist.barrier()
 
 
@@ -711,7 +712,4 @@ def write_sample(model, run_dir, args, device, rank):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except KitError as err:  # problems the user can fix, found after start-up
-        sys.exit(f"error: {err}")
+    sys.exit(faults.run(main))  # a bad value, a lost peer, a full disk: one line, no traceback

@@ -362,14 +362,14 @@ TEN_STEPS = ["--preset", "tiny", "--max-steps", "10", "--eval-interval", "5", "-
              "--ckpt-interval", "5", "--sample-tokens", "0", "--device", "cpu"]
 
 
-def torchrun_command(nproc, script, *args):
+def torchrun_command(nproc, script, *args, restarts=0):
     """The kit's own launch (coursekit.launch): torchrun's static rendezvous at a free port."""
-    return [*launch.torchrun(nproc), str(script), *map(str, args)]
+    return [*launch.torchrun(nproc, restarts=restarts), str(script), *map(str, args)]
 
 
-def torchrun(nproc, script, *args, check=True):
-    result = subprocess.run(torchrun_command(nproc, script, *args), capture_output=True,
-                            text=True, timeout=600, env=kit_env())
+def torchrun(nproc, script, *args, check=True, restarts=0, env=None):
+    result = subprocess.run(torchrun_command(nproc, script, *args, restarts=restarts),
+                            capture_output=True, text=True, timeout=600, env=env or kit_env())
     if check:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result

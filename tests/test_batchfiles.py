@@ -88,16 +88,17 @@ def test_model_parallel_stages_get_their_split_and_only_shapes_they_can_run():
 def test_the_srun_launcher_starts_one_bound_task_per_gpu():
     lumi = (KIT_ROOT / "batchfiles" / "lumi" / "batch-ddp-2n8g.sh").read_text()
     assert "#SBATCH --ntasks-per-node=8\n#SBATCH --cpus-per-task=7\n" in lumi
-    assert "srun --cpu-bind=mask_cpu:0x00fe000000000000," in lumi and "torchrun" not in lumi
+    assert "srun --kill-on-bad-exit=1 --cpu-bind=mask_cpu:0x00fe000000000000," in lumi
+    assert "torchrun" not in lumi
     assert "export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK " in lumi
 
 
 def test_the_torchrun_launcher_starts_one_task_per_node_with_all_its_gpus():
     leonardo = (KIT_ROOT / "batchfiles" / "leonardo" / "batch-ddp-2n4g.sh").read_text()
     assert "#SBATCH --ntasks-per-node=1\n#SBATCH --cpus-per-task=32\n#SBATCH --gres=gpu:4\n" in leonardo
-    assert ("""srun bash -c 'PET_NODE_RANK="$SLURM_NODEID" exec "$@"' per-node torchrun \\\n"""
-            '    --nnodes=2 --nproc-per-node=4 --master-addr="$MASTER_ADDR" '
-            '--master-port="$MASTER_PORT"') in leonardo
+    assert ("""srun --kill-on-bad-exit=1 bash -c 'PET_NODE_RANK="$SLURM_NODEID" exec "$@"' """
+            """per-node torchrun \\\n    --nnodes=2 --nproc-per-node=4 --master-addr="$MASTER_ADDR" """
+            '--master-port="$MASTER_PORT" \\\n    --max-restarts=2 ') in leonardo
     assert "export OMP_NUM_THREADS=$((SLURM_CPUS_PER_TASK / 4)) " in leonardo
 
 

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from conftest import (CreatesFile, free_port, http_get, kit_env, mlflow_server_command, owner_login,
-                      run_stage, torchrun)
+                      run_stage, stage_command, torchrun)
 from coursekit import KIT_ROOT, KitError, runs
+from helpers import interrupt
 
 pytestmark = pytest.mark.stages
 STEPS = 4
@@ -116,13 +117,9 @@ def test_the_kits_mlflow_server_lets_in_its_owner_alone(builtin_data, tmp_path):
     """Another user of the node reaches 127.0.0.1 too: without the owner's password (kept where
     only the owner reads it) every request is refused; with it, a run logs over HTTP."""
     port, state = free_port(), tmp_path / "state"
-    server = subprocess.Popen(mlflow_server_command(
-        state, "--store", f"sqlite:///{tmp_path / 'server.db'}", "--artifacts",
-        tmp_path / "server-artifacts", "--port", port), stdout=subprocess.PIPE, text=True,
-        env=kit_env(), start_new_session=True)
+    server = start_server(tmp_path, port)
     url = f"http://127.0.0.1:{port}"
     try:
-        wait_for(f"{url}/health", server)
         assert stat.S_IMODE(state.stat().st_mode) == 0o700
         assert stat.S_IMODE((state / "password").stat().st_mode) == 0o600
         user, password = owner = owner_login(state)
@@ -144,10 +141,66 @@ def test_the_kits_mlflow_server_lets_in_its_owner_alone(builtin_data, tmp_path):
         assert metrics["loss"]["value"] == pytest.approx(runs.read_metrics(out)[-1]["loss"])
         assert any((tmp_path / "server-artifacts").rglob("loss.png"))  # uploaded over HTTP
     finally:
-        os.killpg(server.pid, signal.SIGTERM)  # the server and its workers, by PID
-        server.wait(timeout=60)
+        stop_server(server)
     log = server.stdout.read()
     assert f"{port} (127.0.0.1 only), for {user} alone" in log and password not in log
+
+
+def start_server(tmp_path, port):
+    """The kit's MLflow server on ``port``, its state, store and artifacts in ``tmp_path``, once
+    it answers."""
+    server = subprocess.Popen(mlflow_server_command(
+        tmp_path / "state", "--store", f"sqlite:///{tmp_path / 'server.db'}", "--artifacts",
+        tmp_path / "server-artifacts", "--port", port), stdout=subprocess.PIPE, text=True,
+        env=kit_env(), start_new_session=True)
+    wait_for(f"http://127.0.0.1:{port}/health", server)
+    return server
+
+
+def stop_server(server):
+    if server.poll() is None:
+        os.killpg(server.pid, signal.SIGTERM)  # the server and its workers, by PID
+        server.wait(timeout=60)
+
+
+def test_a_tracking_server_that_goes_away_costs_no_step(builtin_data, tmp_path):
+    """The server stops while the run trains: the run ends all the same, with one warning, and
+    metrics.jsonl has every step. Run again with --resume once the server is back, and its
+    MLflow run gets the steps it missed."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = start_server(tmp_path, port)
+    owner = owner_login(tmp_path / "state")
+    env = kit_env({"MLFLOW_TRACKING_URI": url, "MLFLOW_TRACKING_USERNAME": owner[0],
+                   "MLFLOW_TRACKING_PASSWORD": owner[1]})
+    out = tmp_path / "run"
+    args = ["--preset", "tiny", "--data", builtin_data, "--out", out, "--max-steps", 12,
+            "--eval-interval", 6, "--eval-steps", 2, "--ckpt-interval", 6, "--sample-tokens", 0,
+            "--track", "mlflow"]
+    try:
+        run = interrupt.start(stage_command("train_gpt2_std.py", *args), env)
+        lines = interrupt.read_until(run, "step 2/12 ")
+        run.send_signal(signal.SIGSTOP)  # while the server goes away
+        stop_server(server)
+        run.send_signal(signal.SIGCONT)
+        returncode, output = interrupt.finish(run, lines)
+        assert returncode == 0, output[-3000:]
+        warnings = [line for line in output.splitlines() if line.startswith("warning:")]
+        assert len(warnings) == 1 and warnings[0].startswith(
+            f"warning: --track mlflow: the tracking store {url} failed: "), output[-3000:]
+        assert [r["step"] for r in runs.read_metrics(out)] == list(range(1, 13))
+
+        server = start_server(tmp_path, port)
+        resumed = run_stage("train_gpt2_std.py", *args, "--resume", env=env)
+        assert resumed.returncode == 0 and "warning" not in resumed.stderr, resumed.stderr[-3000:]
+        run_id = json.loads((out / "tracking.json").read_text())["run_id"]
+        status, body = http_get(f"{url}/api/2.0/mlflow/runs/get?run_id={run_id}", owner)
+        assert json.loads(body)["run"]["info"]["status"] == "FINISHED"
+        status, body = http_get(f"{url}/api/2.0/mlflow/metrics/get-history?run_id={run_id}"
+                                "&metric_key=loss&max_results=100", owner)
+        assert sorted(m["step"] for m in json.loads(body)["metrics"]) == list(range(1, 13))
+    finally:
+        stop_server(server)
 
 
 def test_the_mlflow_servers_state_must_be_private(tmp_path):

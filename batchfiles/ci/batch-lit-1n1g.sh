@@ -30,7 +30,7 @@ echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELI
 # processes (every step of the job), let them checkpoint and exit, then requeue.
 preempted=0
 trap 'preempted=1; scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
-srun python \
+srun --kill-on-bad-exit=1 python \
     solutions/train_gpt2_lit.py --preset tiny --data data/builtin --out runs/ci-lit-1n1g --resume \
     --max-steps 6 --eval-interval 6 --eval-steps 2 --ckpt-interval 3 --sample-tokens 0 --device cpu --devices 1 --num-nodes 1 &
 step=$!
@@ -40,5 +40,7 @@ if [ "$preempted" = 1 ]; then
   wait "$step" || true  # the training processes checkpoint and exit
   echo "pre-empted: requeueing job $SLURM_JOB_ID, which resumes from its checkpoint"
   scontrol requeue "$SLURM_JOB_ID"
+elif [ "$status" != 0 ]; then
+  echo "training failed (exit $status; the errors above say why); runs/ci-lit-1n1g/ckpt keeps the last checkpoint: sbatch this file again to resume from it" >&2
 fi
 exit "$status"

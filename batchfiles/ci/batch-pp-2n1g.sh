@@ -30,10 +30,12 @@ echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELI
 # processes (every step of the job), let them checkpoint and exit, then requeue.
 preempted=0
 trap 'preempted=1; scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
+# a process that crashes restarts the group, which resumes from the last checkpoint, at most
+# 2 times in this job (--max-restarts); a crash after that fails the job, its checkpoint kept
 # shellcheck disable=SC2016  # each node's shell expands them, not this one
-srun bash -c 'PET_NODE_RANK="$SLURM_NODEID" exec "$@"' per-node torchrun \
+srun --kill-on-bad-exit=1 bash -c 'PET_NODE_RANK="$SLURM_NODEID" exec "$@"' per-node torchrun \
     --nnodes=2 --nproc-per-node=1 --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
-    --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
+    --max-restarts=2 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
     solutions/train_gpt2_pp.py --preset tiny --data data/builtin --out runs/ci-pp-2n1g --resume \
     --max-steps 6 --eval-interval 6 --eval-steps 2 --ckpt-interval 3 --sample-tokens 0 --device cpu &
 step=$!
@@ -43,5 +45,7 @@ if [ "$preempted" = 1 ]; then
   wait "$step" || true  # the training processes checkpoint and exit
   echo "pre-empted: requeueing job $SLURM_JOB_ID, which resumes from its checkpoint"
   scontrol requeue "$SLURM_JOB_ID"
+elif [ "$status" != 0 ]; then
+  echo "training failed (exit $status; the errors above say why); runs/ci-pp-2n1g/ckpt keeps the last checkpoint: sbatch this file again to resume from it" >&2
 fi
 exit "$status"

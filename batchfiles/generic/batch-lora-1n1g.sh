@@ -49,7 +49,7 @@ export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
 preempted=0
 trap 'preempted=1; scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
 # shellcheck disable=SC2016  # each node's shell expands them, not this one
-srun bash -c 'accelerate launch --config_file "$ACCELERATE_CONFIG" \
+srun --kill-on-bad-exit=1 bash -c 'accelerate launch --config_file "$ACCELERATE_CONFIG" \
     --num_machines 1 --num_processes 1 --machine_rank "$SLURM_NODEID" \
     --main_process_ip "$MASTER_ADDR" --main_process_port "$MASTER_PORT" \
     solutions/finetune_lora.py --preset gpt2-124m --data data/instruct --out runs/generic-lora-1n1g --resume' &
@@ -60,5 +60,7 @@ if [ "$preempted" = 1 ]; then
   wait "$step" || true  # the training processes checkpoint and exit
   echo "pre-empted: requeueing job $SLURM_JOB_ID, which resumes from its checkpoint"
   scontrol requeue "$SLURM_JOB_ID"
+elif [ "$status" != 0 ]; then
+  echo "training failed (exit $status; the errors above say why); runs/generic-lora-1n1g/ckpt keeps the last checkpoint: sbatch this file again to resume from it" >&2
 fi
 exit "$status"

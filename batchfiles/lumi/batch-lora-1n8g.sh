@@ -67,5 +67,7 @@ if [ "$preempted" = 1 ]; then
   wait "$step" || true  # the training processes checkpoint and exit
   echo "pre-empted: requeueing job $SLURM_JOB_ID, which resumes from its checkpoint"
   scontrol requeue "$SLURM_JOB_ID"
+elif [ "$status" != 0 ]; then
+  echo "training failed (exit $status; the errors above say why); runs/lumi-lora-1n8g/ckpt keeps the last checkpoint: sbatch this file again to resume from it" >&2
 fi
 exit "$status"

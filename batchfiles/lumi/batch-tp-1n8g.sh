@@ -47,7 +47,7 @@ echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELI
 # processes (every step of the job), let them checkpoint and exit, then requeue.
 preempted=0
 trap 'preempted=1; scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
-srun --cpu-bind=mask_cpu:0x00fe000000000000,0xfe00000000000000,0x0000000000fe0000,0x00000000fe000000,0x00000000000000fe,0x000000000000fe00,0x000000fe00000000,0x0000fe0000000000 python \
+srun --kill-on-bad-exit=1 --cpu-bind=mask_cpu:0x00fe000000000000,0xfe00000000000000,0x0000000000fe0000,0x00000000fe000000,0x00000000000000fe,0x000000000000fe00,0x000000fe00000000,0x0000fe0000000000 python \
     solutions/train_gpt2_tp.py --preset gpt2-124m --data data/fineweb-edu --out runs/lumi-tp-1n8g --resume \
     --tp 4 &
 step=$!
@@ -57,5 +57,7 @@ if [ "$preempted" = 1 ]; then
   wait "$step" || true  # the training processes checkpoint and exit
   echo "pre-empted: requeueing job $SLURM_JOB_ID, which resumes from its checkpoint"
   scontrol requeue "$SLURM_JOB_ID"
+elif [ "$status" != 0 ]; then
+  echo "training failed (exit $status; the errors above say why); runs/lumi-tp-1n8g/ckpt keeps the last checkpoint: sbatch this file again to resume from it" >&2
 fi
 exit "$status"

@@ -251,8 +251,11 @@ print("ranks 0 and 1 together == one process with B=8:", torch.equal(together, o
 # 1. the docstring's launch command; 2–3. imports (`gc`, `os`, `torch.distributed`);
 # 4–5. the loader takes `rank` and `world_size` and keeps its share of $N$ microbatches;
 # 6. `init_distributed()` reads the environment and starts the process group (gloo for CPU
-#    tensors, and NCCL for GPU tensors where there are GPUs), `all_reduce_mean` for logging, and
-#    `pick_device` gives each process the GPU of its local rank, or a clear error if it has none;
+#    tensors, and NCCL for GPU tensors where there are GPUs) through the kit's
+#    `faults.init_process_group`, whose collectives give up after `KIT_DIST_TIMEOUT` seconds (600)
+#    rather than wait for ever for a process that hung or died; `all_reduce_mean` for logging;
+#    and `pick_device` gives each process the GPU of its local rank, or a clear error if it has
+#    none;
 # 7. `main` starts by finding its place in the job;
 # 8. DDP wraps the model; `grad_accum` counts the processes; each rank's loader gets its rank;
 # 9. rank 0 alone starts the run directory;

@@ -1,0 +1,156 @@
+"""What the kit does so that a fault ends a run cleanly, and what its scripts say then: one
+line that names the cause and what to do next, never a traceback, for what a user or a cluster
+can cause.
+
+    if __name__ == "__main__":
+        sys.exit(faults.run(main))
+
+- a KitError (a bad value, a broken run directory): its message;
+- a collective that failed because another process hung or died: which collective, where in the
+  script, and the timeout it waited. gloo says only "Timed out waiting 600000ms for recv" or
+  "Connection closed by peer", which names neither; NCCL's watchdog names the collective itself
+  and ends the process (TORCH_NCCL_ASYNC_ERROR_HANDLING), so on GPUs its own line says it;
+- a full disk or quota: the path that could not be written.
+Anything else is a bug, and keeps its traceback.
+
+The stages start their process group with init_process_group below: collectives that time out
+(KIT_DIST_TIMEOUT seconds, 600 by default, NCCL's own default) rather than wait for ever, and a
+store that a group restarted by torchrun cannot confuse with the crashed group's.
+"""
+import errno
+import os
+import re
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+from coursekit import KitError
+
+#: What a write that found no room fails with: a full disk, a full quota (what clusters' home and
+#: project directories have), a file over the size limit (ulimit -f)
+NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+RESUME = "the last checkpoint is intact: run the same command again with --resume"
+TIMEOUT_VARIABLE, DEFAULT_TIMEOUT_S = "KIT_DIST_TIMEOUT", 600
+
+
+def run(main):
+    """main()'s exit status, or the one line (an exit status of 1 for sys.exit) that says why
+    it could not finish; see the module's docstring."""
+    try:
+        return main()
+    except KitError as err:  # problems the user can fix, found after start-up
+        return f"error: {err}"
+    except OSError as err:
+        if err.errno not in NO_ROOM:
+            raise
+        return f"error: {no_room(err)}; {RESUME}"
+    except RuntimeError as err:
+        if not is_collective_failure(err):
+            raise
+        return f"error: {collective_failure(err)}; {RESUME}"
+
+
+def no_room(err):
+    """No room on the disk: what could not be written, and why."""
+    return f"could not write {err.filename}: {err.strerror}"
+
+
+# How libraries that write files in their own code report it: safetensors' Rust ("os error 28")
+OS_ERROR = re.compile(r"os error (\d+)")
+
+
+def out_of_room(err):
+    """Why ``err`` means the disk or the quota ran out ("No space left on device"), or None. It
+    may be an OSError, safetensors' own error, or a distributed checkpoint's error that carries
+    each failed rank's."""
+    if isinstance(err, OSError) and err.errno in NO_ROOM:
+        return err.strerror
+    found = OS_ERROR.search(str(err))
+    if found and int(found.group(1)) in NO_ROOM:
+        return os.strerror(int(found.group(1)))
+    for failure, _stack in getattr(err, "failures", {}).values():  # DCP's CheckpointException
+        if reason := out_of_room(failure):
+            return reason
+    cause = err.__cause__ or err.__context__
+    return out_of_room(cause) if cause is not None else None
+
+
+# --- the process group -----------------------------------------------------------------------
+
+def dist_timeout():
+    """How long a collective waits for the other processes: KIT_DIST_TIMEOUT seconds."""
+    text = os.environ.get(TIMEOUT_VARIABLE, str(DEFAULT_TIMEOUT_S))
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0
+    if not seconds > 0:
+        raise KitError(f"{TIMEOUT_VARIABLE}={text!r}: expected a number of seconds > 0")
+    return timedelta(seconds=seconds)
+
+
+def init_process_group(backend, rank, world_size):
+    """torch.distributed.init_process_group for a group that meets at MASTER_ADDR:MASTER_PORT
+    (rendezvous_store), whose collectives fail after dist_timeout() rather than wait for ever
+    for a process that hung or died."""
+    import torch.distributed as dist
+
+    timeout = dist_timeout()
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
+                            store=rendezvous_store(rank, world_size, timeout))
+
+
+def rendezvous_store(rank, world_size, timeout):
+    """The key-value store where a group's processes meet, at MASTER_ADDR:MASTER_PORT: torchrun's
+    (its agent on the first node holds it) or, under `srun python`, one that rank 0 holds. Each
+    launch of the group keeps its keys apart: torchrun's static rendezvous keeps one store for
+    all of its --max-restarts, and a process of the restarted group could otherwise read the
+    address a process of the crashed one left there and fail to connect (torch 2.13)."""
+    import torch.distributed as dist
+
+    agent_holds_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                          is_master=rank == 0 and not agent_holds_it, timeout=timeout,
+                          multi_tenant=True)
+    launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"launch_{launch}", store)
+
+
+# --- collectives -----------------------------------------------------------------------------
+
+# How gloo and NCCL report a peer that hung (a timeout) or died (a closed connection)
+PEER_LOST = re.compile(r"Connection (closed|reset) by peer|Broken pipe")
+TIMED_OUT = re.compile(r"[Tt]imed? ?out[^0-9]*?(\d+)\s*(ms|milliseconds)")
+
+
+def is_collective_failure(err):
+    import torch.distributed as dist
+    return (dist.is_available() and dist.is_initialized()
+            and bool(PEER_LOST.search(str(err)) or TIMED_OUT.search(str(err))))
+
+
+def collective_failure(err):
+    """One line on a failed collective: this rank, the collective, the script's line that called
+    it, and what happened to the peer."""
+    import torch.distributed as dist
+    frames = traceback.extract_tb(err.__traceback__)
+    called = [f.name for f in frames if f.filename.endswith("distributed_c10d.py")
+              and not f.name.startswith("_") and f.name != "wrapper"]
+    if called:
+        collective = called[0]  # what the script (or a library it called) asked for
+    elif any(f.name == "backward" for f in frames):
+        collective = "the gradient all-reduce in backward (DDP)"
+    else:
+        collective = "a collective"
+    ours = [f for f in frames if "site-packages" not in f.filename
+            and not f.filename.startswith(sys.prefix) and Path(f.filename).name != "faults.py"]
+    where = f" at {Path(ours[-1].filename).name}:{ours[-1].lineno} ({ours[-1].line})" if ours else ""
+    timed_out = TIMED_OUT.search(str(err))
+    if timed_out:
+        seconds = int(timed_out.group(1)) / 1000
+        what = (f"did not complete within {seconds:g} s ({TIMEOUT_VARIABLE}): another process "
+                "hung or is far behind")
+    else:
+        what = "lost a peer: another process died (its own log says why)"
+    return f"rank {dist.get_rank()} of {dist.get_world_size()}: {collective}{where} {what}"

@@ -1,0 +1,111 @@
+"""Faults a cluster throws at a run, each caused for real, and what the kit does about them: a rank
+that hangs or dies inside a collective (the others stop within the timeout and say which
+collective), a crashed process (torchrun starts the group again, which resumes from its
+checkpoint and ends where an uninterrupted run does; a crash beyond the restarts fails with the
+checkpoint intact), a disk that fills while a checkpoint is written (one line, nothing lost). A process fails where tests/helpers/fault/sitecustomize.py makes it."""
+import os
+import re
+import resource
+import shutil
+import time
+
+import psutil
+import pytest
+
+from conftest import (ONE_THREAD, TEN_STEPS, TWENTY_STEPS, kit_env, run_stage, torchrun,
+                      torchrun_command)
+from coursekit import KIT_ROOT, runs
+from helpers import interrupt
+from test_stage_std import assert_identical, assert_same_run
+
+pytestmark = pytest.mark.stages
+DDP_SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_ddp.py"
+FAULT_HOOK = KIT_ROOT / "tests" / "helpers" / "fault"
+
+
+def faulty(action, rank, step, launches=1):
+    """The environment of a run whose process of `rank` `action`s (hangs, dies) right after
+    printing the line of `step`, in torchrun's first `launches` launches of the group."""
+    path = os.pathsep.join(filter(None, [str(FAULT_HOOK), os.environ.get("PYTHONPATH")]))
+    return kit_env({"PYTHONPATH": path, "KIT_FAULT": f"{action} {rank} {step}",
+                    "KIT_FAULT_LAUNCHES": str(launches)})
+
+
+def test_a_hung_rank_stops_the_others_within_the_timeout_naming_the_collective(builtin_data,
+                                                                                 tmp_path):
+    timeout = 5
+    command = torchrun_command(2, DDP_SCRIPT, *TEN_STEPS, "--data", builtin_data, "--out",
+                               tmp_path)
+    launcher = interrupt.start(command, {**faulty("hangs", 1, 3), "KIT_DIST_TIMEOUT": str(timeout)})
+    try:
+        interrupt.read_until(launcher, "step 3/10 ")  # rank 1 hangs from here on
+        hung_at = time.monotonic()
+        error = interrupt.read_until(launcher, "error: ")[-1]
+        waited = time.monotonic() - hung_at
+    finally:  # torchrun would wait 30 s more for the hung rank to take its SIGTERM
+        for process in [*psutil.Process(launcher.pid).children(recursive=True), launcher]:
+            process.kill()
+        launcher.wait()
+    assert timeout <= waited < timeout + 10
+    assert re.match(rf"error: rank 0 of 2: all_reduce at train_gpt2_ddp\.py:\d+ \(.+\) did not "
+                    rf"complete within {timeout} s \(KIT_DIST_TIMEOUT\): another process hung", error)
+    assert "the last checkpoint is intact: run the same command again with --resume" in error
+
+
+def test_a_crashed_rank_restarts_the_group_which_ends_like_an_uninterrupted_run(
+        builtin_data, tmp_path, ddp_ten_steps):
+    result = torchrun(2, DDP_SCRIPT, *TEN_STEPS, "--data", builtin_data, "--out", tmp_path,
+                      "--resume", restarts=1, env=faulty("dies", 1, 7))
+    output = result.stdout + result.stderr
+    assert re.search(r"error: rank 0 of 2: \S+ at train_gpt2_ddp\.py:\d+ \(.+\) lost a peer: "
+                     "another process died", output), output[-3000:]
+    assert f"resumed from {tmp_path}/ckpt/step_00000005 at step 5" in output
+    assert_same_run(runs.read_metrics(tmp_path), runs.read_metrics(ddp_ten_steps))
+    final, expected = runs.load_checkpoint(tmp_path), runs.load_checkpoint(ddp_ten_steps)
+    for part in ("model", "optimizer", "train_loader"):
+        assert_identical(final[1][part], expected[1][part])
+
+
+def test_a_crash_beyond_the_restarts_fails_and_keeps_the_checkpoint(builtin_data, tmp_path):
+    args = ["--preset", "tiny", "--max-steps", "4", "--ckpt-interval", "1", "--eval-steps", "1",
+            "--sample-tokens", "0", "--device", "cpu", "--data", builtin_data, "--out", tmp_path]
+    result = torchrun(2, DDP_SCRIPT, *args, "--resume", restarts=1, check=False,
+                      env=faulty("dies", 1, 2, launches=2))
+    assert result.returncode != 0
+    assert "resumed from" in result.stdout  # the restart, which crashed again
+    assert result.stderr.count("lost a peer: another process died") == 2
+    assert runs.checkpoint_step(runs.checkpoint_to_resume(tmp_path)) == 1
+    assert [r["step"] for r in runs.read_metrics(tmp_path)] == [1, 2]
+
+
+def test_a_disk_that_fills_during_a_checkpoint_loses_nothing(builtin_data, tmp_path,
+                                                               std_twenty_steps):
+    """The checkpoint of step 20 finds no room (RLIMIT_FSIZE: each file at most 1 MB, and the
+    checkpoint's tensors take 41 MB): the run stops with one line, the checkpoint of step 10 and
+    metrics.jsonl stay as they were, and the run resumed with room ends as the reference did."""
+    shutil.copytree(std_twenty_steps, tmp_path, dirs_exist_ok=True)  # a run stopped at step 10:
+    shutil.rmtree(tmp_path / "ckpt" / "step_00000020")                # its checkpoint, bit for bit
+    runs.truncate_metrics(tmp_path, 10)
+    runs.write_json_atomic(tmp_path / "ckpt" / "latest.json", {"dir": "step_00000010", "step": 10})
+    args = [*TWENTY_STEPS, "--data", builtin_data, "--out", tmp_path, "--resume"]
+
+    def one_megabyte_files():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2 ** 20, 2 ** 20))
+
+    full = run_stage("train_gpt2_std.py", *args, env=kit_env(ONE_THREAD),
+                     preexec_fn=one_megabyte_files)
+    assert full.returncode == 1
+    assert re.fullmatch(rf"error: no room to write checkpoint {tmp_path}/ckpt/step_00000020 \(File "
+                        rf"too large\): it needs [\d,]+ bytes and its file system has [\d,]+ free; "
+                        rf"{tmp_path}/ckpt/step_00000010 is intact: make room, or give --out "
+                        r"another place, and run again with --resume\n", full.stderr), full.stderr
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["latest.json", "step_00000010"]
+    assert runs.checkpoint_problem(tmp_path, tmp_path / "ckpt" / "step_00000010") is None
+    assert_same_run(runs.read_metrics(tmp_path), runs.read_metrics(std_twenty_steps))  # 20 lines
+
+    resumed = run_stage("train_gpt2_std.py", *args, env=kit_env(ONE_THREAD))
+    assert "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    assert_same_run(runs.read_metrics(tmp_path), runs.read_metrics(std_twenty_steps))
+    final, expected = runs.load_checkpoint(tmp_path), runs.load_checkpoint(std_twenty_steps)
+    for part in ("model", "optimizer", "train_loader"):
+        assert_identical(final[1][part], expected[1][part])
