@@ -24,6 +24,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 
 from coursekit import KitError
 
@@ -62,6 +63,17 @@ def non_negative_float(text):
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text}")
+    return value
+
+
+def tcp_port(text):
+    """A port a user's server may listen on: 1024 to 65535 (lower ones are the system's)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a TCP port, 1024 to 65535, got {text!r}") from None
+    if not 1024 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port, 1024 to 65535, got {value}")
     return value
 
 
@@ -156,7 +168,7 @@ def build_parser():
                                         "runs/mlflow.db)")
     server.add_argument("--artifacts", help="where it stores uploaded artifacts (default "
                                             "runs/mlartifacts)")
-    server.add_argument("--port", type=int, help="TCP port (default: one free now)")
+    server.add_argument("--port", type=tcp_port, help="TCP port (default: one free now)")
     server.add_argument("--state", default="runs/mlflow-server",
                         help="the password and user database, kept private (default %(default)s)")
     return parser
@@ -216,6 +228,9 @@ def run_presets(args):
 def run_assignments(args):
     from coursekit import KIT_ROOT, grading
     root = args.root or KIT_ROOT
+    if not (Path(root) / "notebooks").is_dir():
+        raise KitError(f"--root {root} holds no notebooks/ folder: give a course's root, such as "
+                       "the kit's checkout")
     names = grading.lessons(root)
     release = grading.generate(root)
     print(f"student versions of {len(names)} lessons in {release}: {', '.join(names)}")

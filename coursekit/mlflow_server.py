@@ -75,11 +75,22 @@ def how_to_reach(store, port, state):
         f"MLFLOW_TRACKING_PASSWORD=$(cat {state / 'password'})"])
 
 
+def refuse_taken(port):
+    """One line, before MLflow starts, if 127.0.0.1:port is taken (by another user, perhaps)."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError as err:
+            raise KitError(f"--port {port}: 127.0.0.1:{port} cannot be used ({err.strerror}): "
+                           "choose another, or leave --port out for a free one") from None
+
+
 def serve(store=None, artifacts=None, port=None, state=DEFAULT_STATE):
     """Print how to reach the server, then become it (exec: signals reach MLflow itself)."""
     store = store or registry.default_store()
     state = private_state(Path(state))
     port = port or launch.free_port()
+    refuse_taken(port)
     artifacts = artifacts or Path("runs") / "mlartifacts"
     environment = server_environment(state)
     print(how_to_reach(store, port, state), flush=True)

@@ -5,6 +5,9 @@ stage script (torchrun, or srun + torchrun across nodes) with the hyperparameter
 proposes, and reports its validation loss as it trains, so that a pruner can stop the poor ones
 early. Workers share the study through a journal file on shared disk (no database server needed),
 so any number of them can run side by side, and running the command again continues the study.
+A worker that dies without a word (SIGKILL, a node lost) leaves its trial running in the journal;
+its heartbeat stops, and after --lease seconds another worker queues the trial again, to resume
+from its checkpoint.
 
     python solutions/hpo_optuna.py --trials 12 --workers 2          # 2 workers on this machine
     python solutions/hpo_optuna.py --trials 12 --nproc-per-node 2   # every trial a 2-process DDP run
@@ -20,6 +23,7 @@ The words of the lesson, as this script uses them:
     pruner          stops a trial whose intermediate validation loss is poor (successive halving)
     resource        what a trial has spent when it reports: here, optimiser steps
 """
+import ctypes
 import multiprocessing
 import os
 import shutil
@@ -32,10 +36,11 @@ from pathlib import Path
 
 import optuna
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
+from optuna.exceptions import UpdateFinishedTrialError
 from optuna.trial import TrialState
 
 from coursekit import KIT_ROOT, KitError, faults, launch, presets, runs
-from coursekit.cli import ArgumentParser, positive_int
+from coursekit.cli import ArgumentParser, positive_float, positive_int
 
 SOLUTIONS = Path(__file__).resolve().parent
 SAMPLERS = ("tpe", "random", "grid")
@@ -183,17 +188,19 @@ def new_validations(metrics_path, seen):
     return [(r["step"], r["val_loss"]) for r in records if "val_loss" in r][seen:]
 
 
-def train(command, run_dir, env, interrupt, on_validation):
-    """Run the trainer; call on_validation(step, loss) for each validation it writes. Returns
-    "complete", "pruned" (on_validation returned True: the trainer was stopped), "interrupted" or
-    "failed", and the last validation loss."""
+def train(command, run_dir, env, interrupt, on_validation, heartbeat):
+    """Run the trainer; call on_validation(step, loss) for each validation it writes, and
+    heartbeat() while it runs. Returns "complete", "pruned" (on_validation returned True: the
+    trainer was stopped), "interrupted" or "failed", and the last validation loss."""
     runs.make_run_dir(run_dir)
     with open(run_dir / "train.log", "ab") as log:
         trainer = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                   cwd=KIT_ROOT, start_new_session=True)  # its own process group
+                                   cwd=KIT_ROOT, start_new_session=True,  # its own process group
+                                   preexec_fn=stop_when_the_worker_dies)
     interrupt.trainer = trainer
     seen, last, pruned = 0, None, False
     while True:
+        heartbeat()
         exited = trainer.poll() is not None  # read what it wrote before it exited, then stop
         for step, loss in new_validations(run_dir / "metrics.jsonl", seen):
             seen, last = seen + 1, loss
@@ -209,6 +216,17 @@ def train(command, run_dir, env, interrupt, on_validation):
     if interrupt.received:
         return "interrupted", last
     return ("complete" if trainer.returncode == 0 else "failed"), last
+
+
+def stop_when_the_worker_dies():
+    """In the trainer, before it starts (Linux): SIGTERM when its worker dies, even by SIGKILL,
+    so that it checkpoints and exits instead of training on in a run directory that another
+    worker is about to resume."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+PR_SET_PDEATHSIG = 1  # prctl's option, from <linux/prctl.h>
 
 
 def last_line(log_path):
@@ -238,11 +256,51 @@ def describe(hyperparameters):
 # ----------------------------------------------------------------------------------------------
 # A worker: ask the study for a trial, train it, tell the study how it went; until enough trials
 # ----------------------------------------------------------------------------------------------
-def counted_trials(study):
-    """Trials that count towards --trials: finished and running ones. An interrupted trial does
-    not count, nor does its copy waiting in the queue until a worker resumes it."""
-    return sum(1 for t in study.get_trials(deepcopy=False) if t.state != TrialState.WAITING
-               and not (t.state == TrialState.FAIL and t.user_attrs.get("interrupted")))
+def counted_trials(study, before=None):
+    """Trials that count towards --trials (those numbered below ``before``, if given): finished
+    and running ones. An interrupted or lost trial does not count, nor does its copy waiting in
+    the queue until a worker resumes it, nor a surplus trial."""
+    return sum(1 for t in study.get_trials(deepcopy=False)
+               if t.state != TrialState.WAITING and (before is None or t.number < before)
+               and not (t.state == TrialState.FAIL and (t.user_attrs.get("interrupted")
+                                                        or t.user_attrs.get("surplus"))))
+
+
+# A running trial's worker writes a heartbeat into the study every --lease / 4 seconds. One that
+# has not for --lease seconds lost its worker (SIGKILL, the out-of-memory killer, a node that
+# died): any other worker fails it and queues its settings again, to resume from its checkpoint.
+# Optuna's own heartbeat needs a database; the journal file is what works on a cluster's
+# parallel file system. The first worker to fail it wins: the journal orders their writes.
+BEATS_PER_LEASE = 4
+
+
+def heartbeat_age(trial):
+    """Seconds since a running trial's worker last said it was alive."""
+    return time.time() - trial.user_attrs.get("heartbeat", trial.datetime_start.timestamp())
+
+
+def running(study):
+    return study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+
+
+def queue_lost_trials(study, lease, worker):
+    for trial in running(study):
+        age = heartbeat_age(trial)
+        if age < lease:
+            continue
+        try:  # private: Optuna's public API changes only the trials a worker asked for itself
+            study._storage.set_trial_user_attr(trial._trial_id, "interrupted", True)
+            study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
+        except UpdateFinishedTrialError:  # another worker failed it first, or its own ended it
+            continue
+        study.enqueue_trial(trial.params, user_attrs={"run_dir": trial.user_attrs["run_dir"]})
+        print(f"worker {worker} | trial {trial.number} lost its worker (no heartbeat for "
+              f"{age:.0f} s): queued again, to resume from its checkpoint", flush=True)
+
+
+def may_be_lost(study, lease):
+    """Running trials whose heartbeat is late: their worker may be gone."""
+    return [t for t in running(study) if heartbeat_age(t) > lease / 2]
 
 
 def run_worker(args, worker):
@@ -253,39 +311,63 @@ def run_worker(args, worker):
     preset = presets.get_preset(args.preset)
     space = search_space(preset, args.max_steps, args.batch_unit)
     env = trainer_environment(args, worker - args.first_worker)
-    while not interrupt.received and counted_trials(study) < args.trials:
+    while not interrupt.received:
+        queue_lost_trials(study, args.lease, worker)
+        if counted_trials(study) >= args.trials:
+            if not may_be_lost(study, args.lease):
+                break
+            time.sleep(args.lease / BEATS_PER_LEASE)  # until each is back, done or lost
+            continue
         trial = study.ask(space)  # a queued (interrupted) trial first, else the sampler's proposal
+        if counted_trials(study, before=trial.number) >= args.trials:  # another worker's ask
+            trial.set_user_attr("surplus", True)                        # came first
+            study.tell(trial, state=TrialState.FAIL)
+            continue
         run_dir = Path(trial.user_attrs.get("run_dir")
                        or args.study_dir / "trials" / f"{trial.number:04d}")
         trial.set_user_attr("run_dir", str(run_dir))
         trial.set_user_attr("worker", worker)
-        start = time.perf_counter()
+        start = last_beat = time.perf_counter()
 
         def report(step, loss):
             trial.report(loss, step)
             return trial.should_prune()
 
+        def heartbeat():
+            nonlocal last_beat
+            if time.perf_counter() - last_beat > args.lease / BEATS_PER_LEASE:
+                trial.set_user_attr("heartbeat", time.time())
+                last_beat = time.perf_counter()
+
         command = trainer_command(args, trial.params, run_dir)
-        outcome, loss = train(command, run_dir, env, interrupt, report)
-        trial.set_user_attr("seconds", round(time.perf_counter() - start, 1))
-        print(f"worker {worker} | trial {trial.number} | {describe(trial.params)} -> {outcome}"
-              + (f", val {loss:.4f}" if loss is not None else "")
-              + f" ({time.perf_counter() - start:.1f} s)", flush=True)
-        if outcome == "complete" and loss is not None:
-            study.tell(trial, loss)
-        elif outcome == "pruned":
-            shutil.rmtree(runs.checkpoint_dir(run_dir), ignore_errors=True)  # never resumed
-            study.tell(trial, state=TrialState.PRUNED)
-        elif outcome == "interrupted":  # queue the same settings; the next worker resumes the run
-            trial.set_user_attr("interrupted", True)
-            study.tell(trial, state=TrialState.FAIL)
-            study.enqueue_trial(trial.params, user_attrs={"run_dir": str(run_dir)})
-        else:
-            error = last_line(run_dir / "train.log")
-            trial.set_user_attr("error", error)
-            study.tell(trial, state=TrialState.FAIL)
-            print(f"worker {worker} | trial {trial.number} failed: {error}", flush=True)
+        outcome, loss = train(command, run_dir, env, interrupt, report, heartbeat)
+        try:
+            tell(study, trial, worker, outcome, loss, run_dir, time.perf_counter() - start)
+        except UpdateFinishedTrialError:
+            print(f"worker {worker} | trial {trial.number} was taken for lost (a heartbeat later "
+                  f"than --lease {args.lease:g} s) and queued again", flush=True)
     return interrupt.received
+
+
+def tell(study, trial, worker, outcome, loss, run_dir, seconds):
+    """Tell the study how the trial went."""
+    trial.set_user_attr("seconds", round(seconds, 1))
+    print(f"worker {worker} | trial {trial.number} | {describe(trial.params)} -> {outcome}"
+          + (f", val {loss:.4f}" if loss is not None else "") + f" ({seconds:.1f} s)", flush=True)
+    if outcome == "complete" and loss is not None:
+        study.tell(trial, loss)
+    elif outcome == "pruned":
+        shutil.rmtree(runs.checkpoint_dir(run_dir), ignore_errors=True)  # never resumed
+        study.tell(trial, state=TrialState.PRUNED)
+    elif outcome == "interrupted":  # queue the same settings; the next worker resumes the run
+        trial.set_user_attr("interrupted", True)
+        study.tell(trial, state=TrialState.FAIL)
+        study.enqueue_trial(trial.params, user_attrs={"run_dir": str(run_dir)})
+    else:
+        error = last_line(run_dir / "train.log")
+        trial.set_user_attr("error", error)
+        study.tell(trial, state=TrialState.FAIL)
+        print(f"worker {worker} | trial {trial.number} failed: {error}", flush=True)
 
 
 def run_workers(args):
@@ -326,7 +408,7 @@ def run_baseline(args):
     hyperparameters = default_hyperparameters(preset, args.max_steps, args.batch_unit)
     command = trainer_command(args, hyperparameters, run_dir)
     outcome, loss = train(command, run_dir, trainer_environment(args, 0), Interrupt(),
-                          lambda step, loss: False)
+                          on_validation=lambda step, loss: False, heartbeat=lambda: None)
     if outcome != "complete" or loss is None:
         raise KitError(f"the baseline run {outcome}: {last_line(run_dir / 'train.log')}")
     print(f"baseline | {describe(hyperparameters)} -> val {loss:.4f}", flush=True)
@@ -416,6 +498,9 @@ def parse_args(argv=None):
                         help="also train the preset's defaults with the same budget, to compare")
     parser.add_argument("--results-only", action="store_true",
                         help="write best.json, trials.csv and the plots, and train nothing")
+    parser.add_argument("--lease", type=positive_float, default=120,
+                        help="seconds without a heartbeat after which a running trial's worker "
+                             "is taken for lost and the trial is queued again")
     parser.add_argument("--seed", type=int, default=1337)
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,98 @@
+"""Bad input to the kit's command lines gets one line that names the bad value and what is
+allowed, no traceback, and changes nothing already written. The cases here are those the other
+files do not hold already (the std, lit, lora and hpo stages', the data, diffs, batchfiles,
+registry, scaling and memory commands' are beside their tests): the distributed stages' own
+parsing, pointed at a finished run they must leave alone; the kit's other subcommands; and what
+the kit reads from the environment. Each runs in this process, as the first thing the command
+does."""
+import hashlib
+
+import pytest
+
+from coursekit import KitError, cli, faults, stages
+
+SHARED = [(["--micro-batch", "0"], "argument --micro-batch: expected a positive integer, got 0"),
+          (["--device", "tpu"], "argument --device: invalid choice: 'tpu' (choose from 'auto', "
+                                "'cuda', 'xpu', 'cpu')"),
+          (["--lr", "fast"], "argument --lr: expected a positive number, got 'fast'"),
+          (["--weight-decay", "-1"], "argument --weight-decay: expected a number >= 0, got -1"),
+          (["--preset", "huge"], "argument --preset: invalid choice: 'huge' (choose from"),
+          (["--track", "wandb"], "argument --track: invalid choice: 'wandb' (choose from "
+                                 "'none', 'mlflow', 'tensorboard')")]
+STAGE_CASES = [(stage, args, message) for stage in ("ddp", "fsdp", "tp", "pp")
+               for args, message in SHARED] + [
+    ("tp", ["--tp", "0"], "argument --tp: expected a positive integer, got 0"),
+    ("pp", ["--schedule", "zigzag"], "argument --schedule: invalid choice: 'zigzag' (choose from"),
+]
+COMMAND_CASES = [
+    (["nosuch"], "argument COMMAND: invalid choice: 'nosuch' (choose from 'envcheck'"),
+    (["mlflow-server", "--port", "80"], "argument --port: expected a TCP port, 1024 to 65535, "
+                                        "got 80"),
+    (["mlflow-server", "--port", "70000"], "argument --port: expected a TCP port, 1024 to 65535, "
+                                           "got 70000"),
+    (["book", "--edition", "student"], "argument --edition: invalid choice: 'student' (choose "
+                                       "from 'reader', 'instructor')"),
+    (["tokenizer", "nosuch"], "argument action: invalid choice: 'nosuch' (choose from 'fetch')"),
+    (["trainee-kit"], "the following arguments are required: --out"),
+    (["verify-data", "/nonexistent/run"], "error: /nonexistent/run is not a run directory (no "
+                                          "config.json)"),
+    (["export-hf", "/nonexistent/run", "/nonexistent/out"],
+     "error: run directory /nonexistent/run does not exist"),
+    (["assignments", "--root", "/nonexistent/course"],
+     "error: --root /nonexistent/course holds no notebooks/ folder"),
+]
+
+
+def files_of(folder):
+    """{path: SHA-256} of every file under folder."""
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def one_line(stderr):
+    return len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr
+
+
+@pytest.fixture(scope="module")
+def scripts():
+    return {stage: stages.load(stage) for stage in ("ddp", "fsdp", "tp", "pp")}
+
+
+@pytest.mark.parametrize("stage, args, message", STAGE_CASES,
+                         ids=[f"{s} {' '.join(a)}" for s, a, _ in STAGE_CASES])
+def test_a_distributed_stage_refuses_a_bad_value_and_leaves_the_run_alone(
+        scripts, stage, args, message, builtin_data, std_twenty_steps, capsys):
+    before = files_of(std_twenty_steps)
+    with pytest.raises(SystemExit) as stopped:
+        scripts[stage].parse_args(["--preset", "tiny", "--data", str(builtin_data), "--out",
+                                   str(std_twenty_steps), "--resume", *args])
+    stderr = capsys.readouterr().err
+    assert stopped.value.code == 2 and message in stderr and one_line(stderr), stderr
+    assert files_of(std_twenty_steps) == before
+
+
+@pytest.mark.parametrize("args, message", COMMAND_CASES, ids=[" ".join(a) for a, _ in COMMAND_CASES])
+def test_a_kit_command_refuses_a_bad_value_in_one_line(args, message, capsys):
+    try:
+        status = cli.main(args)
+    except SystemExit as stopped:
+        status = stopped.code
+    stderr = capsys.readouterr().err
+    assert status == 2 and message in stderr and one_line(stderr), stderr
+
+
+def test_a_taken_port_is_one_line_before_mlflow_starts():
+    from coursekit import mlflow_server
+    with mlflow_server.socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+        with pytest.raises(KitError, match=rf"^--port {port}: 127.0.0.1:{port} cannot be used "
+                                           r"\(Address already in use\): choose another"):
+            mlflow_server.refuse_taken(port)
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-5"])
+def test_a_bad_collective_timeout_is_one_line(value, monkeypatch):
+    monkeypatch.setenv("KIT_DIST_TIMEOUT", value)
+    assert faults.run(faults.dist_timeout) == \
+        f"error: KIT_DIST_TIMEOUT={value!r}: expected a number of seconds > 0"
