@@ -78,6 +78,7 @@ def how_to_reach(store, port, state):
 def refuse_taken(port):
     """One line, before MLflow starts, if 127.0.0.1:port is taken (by another user, perhaps)."""
     with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
         try:
             probe.bind(("127.0.0.1", port))
         except OSError as err:

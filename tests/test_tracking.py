@@ -113,46 +113,47 @@ def test_tensorboard_event_files_hold_every_step(builtin_data, tmp_path):
            [(r["step"], r["loss"]) for r in logged]
 
 
-def test_the_kits_mlflow_server_lets_in_its_owner_alone(builtin_data, tmp_path):
-    """Another user of the node reaches 127.0.0.1 too: without the owner's password (kept where
-    only the owner reads it) every request is refused; with it, a run logs over HTTP."""
-    port, state = free_port(), tmp_path / "state"
-    server = start_server(tmp_path, port)
-    url = f"http://127.0.0.1:{port}"
+@pytest.fixture(scope="module")
+def served(builtin_data, tmp_path_factory):
+    """The kit's MLflow server, and a run that logs to it over HTTP with its owner's password.
+    The server stops while the run trains, and comes back (the same port, store and password)
+    before the run is resumed. Yields what the tests read while it is back up."""
+    folder, port = tmp_path_factory.mktemp("served"), free_port()
+    url, server = f"http://127.0.0.1:{port}", start_server(folder, port)
+    owner = owner_login(folder / "state")
+    env = kit_env({"MLFLOW_TRACKING_URI": url, "MLFLOW_TRACKING_USERNAME": owner[0],
+                   "MLFLOW_TRACKING_PASSWORD": owner[1]})
+    out = folder / "served-run"
+    args = ["--preset", "tiny", "--data", builtin_data, "--out", out, "--max-steps", SERVED_STEPS,
+            "--eval-interval", 6, "--eval-steps", 2, "--ckpt-interval", 6, "--sample-tokens", 0,
+            "--track", "mlflow"]
     try:
-        assert stat.S_IMODE(state.stat().st_mode) == 0o700
-        assert stat.S_IMODE((state / "password").stat().st_mode) == 0o600
-        user, password = owner = owner_login(state)
-        runs_of_nobody = f"{url}/api/2.0/mlflow/experiments/search?max_results=5"
-        for login in (None, (user, "guessed"), ("someone-else", password)):
-            assert http_get(runs_of_nobody, login)[0] == 401, login
-            assert http_get(f"{url}/", login)[0] == 401, login  # nor the UI
-        out = tmp_path / "served-run"
-        tracked_run("train_gpt2_std.py", out, builtin_data, "--track", "mlflow",
-                    env=kit_env({"MLFLOW_TRACKING_URI": url, "MLFLOW_TRACKING_USERNAME": user,
-                                 "MLFLOW_TRACKING_PASSWORD": password}))
-        run_id = json.loads((out / "tracking.json").read_text())["run_id"]
-        status, body = http_get(f"{url}/api/2.0/mlflow/runs/get?run_id={run_id}", owner)
-        assert status == 200
-        run = json.loads(body)["run"]
-        assert run["info"]["status"] == "FINISHED"
-        metrics = {m["key"]: m for m in run["data"]["metrics"]}
-        assert metrics["loss"]["step"] == STEPS
-        assert metrics["loss"]["value"] == pytest.approx(runs.read_metrics(out)[-1]["loss"])
-        assert any((tmp_path / "server-artifacts").rglob("loss.png"))  # uploaded over HTTP
+        run = interrupt.start(stage_command("train_gpt2_std.py", *args), env)
+        lines = interrupt.read_until(run, f"step 2/{SERVED_STEPS} ")
+        run.send_signal(signal.SIGSTOP)  # while the server goes away
+        stop_server(server)
+        run.send_signal(signal.SIGCONT)
+        status, output = interrupt.finish(run, lines)
+        metrics = runs.read_metrics(out)
+        server = start_server(folder, port)
+        resumed = run_stage("train_gpt2_std.py", *args, "--resume", env=env)
+        yield {"folder": folder, "url": url, "port": port, "owner": owner, "out": out,
+               "interrupted": (status, output, metrics), "resumed": resumed}
     finally:
         stop_server(server)
-    log = server.stdout.read()
-    assert f"{port} (127.0.0.1 only), for {user} alone" in log and password not in log
 
 
-def start_server(tmp_path, port):
-    """The kit's MLflow server on ``port``, its state, store and artifacts in ``tmp_path``, once
-    it answers."""
-    server = subprocess.Popen(mlflow_server_command(
-        tmp_path / "state", "--store", f"sqlite:///{tmp_path / 'server.db'}", "--artifacts",
-        tmp_path / "server-artifacts", "--port", port), stdout=subprocess.PIPE, text=True,
-        env=kit_env(), start_new_session=True)
+SERVED_STEPS = 12
+
+
+def start_server(folder, port):
+    """The kit's MLflow server on ``port``, its state, store, artifacts and log in ``folder``,
+    once it answers."""
+    with open(folder / "server.log", "a") as log:
+        server = subprocess.Popen(mlflow_server_command(
+            folder / "state", "--store", f"sqlite:///{folder / 'server.db'}", "--artifacts",
+            folder / "server-artifacts", "--port", port), stdout=log, stderr=subprocess.STDOUT,
+            env=kit_env(), start_new_session=True)
     wait_for(f"http://127.0.0.1:{port}/health", server)
     return server
 
@@ -163,44 +164,52 @@ def stop_server(server):
         server.wait(timeout=60)
 
 
-def test_a_tracking_server_that_goes_away_costs_no_step(builtin_data, tmp_path):
+def logged_run(served):
+    """The served run as the server has it (MLflow's REST API, with the owner's password)."""
+    run_id = json.loads((served["out"] / "tracking.json").read_text())["run_id"]
+    status, body = http_get(f"{served['url']}/api/2.0/mlflow/runs/get?run_id={run_id}",
+                            served["owner"])
+    assert status == 200
+    return json.loads(body)["run"]
+
+
+def test_the_kits_mlflow_server_lets_in_its_owner_alone(served):
+    """Another user of the node reaches 127.0.0.1 too: without the owner's password (kept where
+    only the owner reads it) every request is refused; with it, a run logs over HTTP."""
+    url, state, (user, password) = served["url"], served["folder"] / "state", served["owner"]
+    assert stat.S_IMODE(state.stat().st_mode) == 0o700
+    assert stat.S_IMODE((state / "password").stat().st_mode) == 0o600
+    runs_of_nobody = f"{url}/api/2.0/mlflow/experiments/search?max_results=5"
+    for login in (None, (user, "guessed"), ("someone-else", password)):
+        assert http_get(runs_of_nobody, login)[0] == 401, login
+        assert http_get(f"{url}/", login)[0] == 401, login  # nor the UI
+    run = logged_run(served)
+    assert run["info"]["status"] == "FINISHED"
+    metrics = {m["key"]: m for m in run["data"]["metrics"]}
+    assert metrics["loss"]["step"] == SERVED_STEPS
+    assert metrics["loss"]["value"] == pytest.approx(runs.read_metrics(served["out"])[-1]["loss"])
+    assert any((served["folder"] / "server-artifacts").rglob("loss.png"))  # uploaded over HTTP
+    log = (served["folder"] / "server.log").read_text()
+    assert f"{served['port']} (127.0.0.1 only), for {user} alone" in log and password not in log
+
+
+def test_a_tracking_server_that_goes_away_costs_no_step(served):
     """The server stops while the run trains: the run ends all the same, with one warning, and
     metrics.jsonl has every step. Run again with --resume once the server is back, and its
     MLflow run gets the steps it missed."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    server = start_server(tmp_path, port)
-    owner = owner_login(tmp_path / "state")
-    env = kit_env({"MLFLOW_TRACKING_URI": url, "MLFLOW_TRACKING_USERNAME": owner[0],
-                   "MLFLOW_TRACKING_PASSWORD": owner[1]})
-    out = tmp_path / "run"
-    args = ["--preset", "tiny", "--data", builtin_data, "--out", out, "--max-steps", 12,
-            "--eval-interval", 6, "--eval-steps", 2, "--ckpt-interval", 6, "--sample-tokens", 0,
-            "--track", "mlflow"]
-    try:
-        run = interrupt.start(stage_command("train_gpt2_std.py", *args), env)
-        lines = interrupt.read_until(run, "step 2/12 ")
-        run.send_signal(signal.SIGSTOP)  # while the server goes away
-        stop_server(server)
-        run.send_signal(signal.SIGCONT)
-        returncode, output = interrupt.finish(run, lines)
-        assert returncode == 0, output[-3000:]
-        warnings = [line for line in output.splitlines() if line.startswith("warning:")]
-        assert len(warnings) == 1 and warnings[0].startswith(
-            f"warning: --track mlflow: the tracking store {url} failed: "), output[-3000:]
-        assert [r["step"] for r in runs.read_metrics(out)] == list(range(1, 13))
-
-        server = start_server(tmp_path, port)
-        resumed = run_stage("train_gpt2_std.py", *args, "--resume", env=env)
-        assert resumed.returncode == 0 and "warning" not in resumed.stderr, resumed.stderr[-3000:]
-        run_id = json.loads((out / "tracking.json").read_text())["run_id"]
-        status, body = http_get(f"{url}/api/2.0/mlflow/runs/get?run_id={run_id}", owner)
-        assert json.loads(body)["run"]["info"]["status"] == "FINISHED"
-        status, body = http_get(f"{url}/api/2.0/mlflow/metrics/get-history?run_id={run_id}"
-                                "&metric_key=loss&max_results=100", owner)
-        assert sorted(m["step"] for m in json.loads(body)["metrics"]) == list(range(1, 13))
-    finally:
-        stop_server(server)
+    status, output, metrics = served["interrupted"]
+    assert status == 0, output[-3000:]
+    warnings = [line for line in output.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"warning: --track mlflow: the tracking store {served['url']} failed: "), output[-3000:]
+    assert [r["step"] for r in metrics] == list(range(1, SERVED_STEPS + 1))
+    resumed = served["resumed"]
+    assert resumed.returncode == 0 and "warning" not in resumed.stderr, resumed.stderr[-3000:]
+    run_id = logged_run(served)["info"]["run_id"]
+    status, body = http_get(f"{served['url']}/api/2.0/mlflow/metrics/get-history?run_id={run_id}"
+                            "&metric_key=loss&max_results=100", served["owner"])
+    assert sorted(m["step"] for m in json.loads(body)["metrics"]) == \
+           list(range(1, SERVED_STEPS + 1))
 
 
 def test_the_mlflow_servers_state_must_be_private(tmp_path):
