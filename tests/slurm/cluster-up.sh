@@ -99,7 +99,8 @@ SlurmdPidFile=$dir/run/slurmd.%n.pid
 SlurmdLogFile=$dir/log/slurmd.%n.log
 SelectTypeParameters=CR_Core
 ReturnToService=2
-SlurmdTimeout=300
+# a node whose slurmd stops answering is down after 20 s (tests/test_slurm.py kills one)
+SlurmdTimeout=20
 InactiveLimit=0
 MinJobAge=300
 KillWait=10
@@ -141,8 +142,7 @@ for conf in "$dir"/sites/*/slurm.conf; do
   [ -e "$conf" ] && /usr/sbin/slurmctld -f "$conf"
 done
 for i in $(seq 1 "$nodes"); do
-  unshare --uts --mount --fork sh -c "mount --bind '$dir/hosts' /etc/hosts && hostname node$i \
-    && exec /usr/sbin/slurmd -f '$SLURM_CONF' -N node$i"
+  "$(dirname "$0")/node-up.sh" "$i"
 done
 
 # ready when every node is idle (not "idle*", which means not yet registered)

@@ -12,7 +12,9 @@ import os
 import signal
 import time
 
-HELD_STEP = os.environ.get("KIT_HOLD_AT_STEP")
+# the job's first run only: a requeued run that trains that step again goes on
+HELD_STEP = os.environ.get("KIT_HOLD_AT_STEP") if os.environ.get("SLURM_RESTART_COUNT", "0") == "0" \
+    else None
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 arrived = []  # the stop signals this process has received
 
