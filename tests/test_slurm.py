@@ -2,11 +2,12 @@
 `sbatch --test-only`, and run to exit 0 with their loss lines on a 2-node cluster, each stage on
 its widest shape and ddp on every one (the other files share their text); the 2-node jobs really
 use both nodes; a job stopped mid-run is requeued, resumes from its checkpoint and ends where an
-uninterrupted run does, and so does a 2-node job whose second node dies. Every real site's files
-pass `sbatch --test-only` on a copy of that site's partition (its name and time limit; nodes of its
-cores, GPUs and memory), which refuses what the site would refuse for those reasons. Accounts and
-QoS are not checked: the test cluster keeps no accounting (slurmdbd and a database), and the
-profiles' accounts are placeholders an instructor fills in."""
+uninterrupted run does, and so does a 2-node job whose second node dies; a process that crashes is
+started again with its group, in the same job. Every real site's files pass `sbatch --test-only` on
+a copy of that site's partition (its name and time limit; nodes of its cores, GPUs and memory),
+which refuses what the site would refuse for those reasons. Accounts and QoS are not checked: the
+test cluster keeps no accounting (slurmdbd and a database), and the profiles' accounts are
+placeholders an instructor fills in."""
 import json
 import os
 import re
@@ -550,6 +551,29 @@ def test_the_training_monitor_follows_a_slurm_job_until_it_leaves_the_queue(clus
     assert job_state(cluster, job_id) == "COMPLETED", (tmp_path / "job.out").read_text()[-2000:]
     assert (monitor.progress.value, monitor.progress.max) == (8, 8)
     assert monitor.status.value.startswith("step 8 of 8: loss ")
+
+
+def test_a_crashed_process_restarts_its_group_across_nodes_in_the_same_job(cluster, training):
+    """Rank 1, on node2, dies by SIGKILL after step 4 (tests/helpers/fault), in the first two
+    launches of the group. torchrun on each node starts its part of the group again
+    (--max-restarts=2), which resumes from step 3; the third launch ends the job, in Slurm's
+    first run of it, with the losses of the run nothing stopped."""
+    name, reference = "batch-ddp-2n1g.sh", training.result("batch-ddp-1n2g.sh")[2]
+    shutil.rmtree(run_dir(name), ignore_errors=True)
+    hook = os.pathsep.join(filter(None, [str(KIT_ROOT / "tests" / "helpers" / "fault"),
+                                         os.environ.get("PYTHONPATH")]))
+    job_id = submit(cluster, name, f"--export=ALL,PYTHONPATH={hook},KIT_FAULT=dies 1 4,"
+                                   "KIT_FAULT_LAUNCHES=2")
+    status, record = wait_for_job(cluster, job_id)
+    text = (cluster["logs"] / f"{name}.{job_id}.out").read_text()
+    assert status == 0 and "JobState=COMPLETED" in record and "Restarts=0 " in record, \
+        text[-4000:] + record
+    assert text.count("lost a peer: another process died") == 2, text[-4000:]
+    resumed = f"resumed from {run_dir(name).relative_to(KIT_ROOT)}/ckpt/step_00000003 at step 3"
+    assert text.count(resumed) == 2, text[-4000:]
+    metrics = runs.read_metrics(run_dir(name))
+    assert [r["loss"] for r in metrics] == pytest.approx([r["loss"] for r in reference], abs=1e-4)
+    shutil.rmtree(run_dir(name), ignore_errors=True)
 
 
 def kill_node(cluster, node):
