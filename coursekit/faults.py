@@ -53,7 +53,7 @@ def run(main):
 
 def no_room(err):
     """No room on the disk: what could not be written, and why."""
-    return f"could not write {err.filename}: {err.strerror}"
+    return f"could not write {err.filename or 'a file'}: {err.strerror}"
 
 
 # How libraries that write files in their own code report it: safetensors' Rust ("os error 28")

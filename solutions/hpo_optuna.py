@@ -293,7 +293,9 @@ def queue_lost_trials(study, lease, worker):
             study._storage.set_trial_state_values(trial._trial_id, TrialState.FAIL)
         except UpdateFinishedTrialError:  # another worker failed it first, or its own ended it
             continue
-        study.enqueue_trial(trial.params, user_attrs={"run_dir": trial.user_attrs["run_dir"]})
+        # a worker killed between its ask and naming the run directory left none to resume
+        resume = {"run_dir": trial.user_attrs["run_dir"]} if "run_dir" in trial.user_attrs else {}
+        study.enqueue_trial(trial.params, user_attrs=resume)
         print(f"worker {worker} | trial {trial.number} lost its worker (no heartbeat for "
               f"{age:.0f} s): queued again, to resume from its checkpoint", flush=True)
 
