@@ -19,7 +19,7 @@ from pathlib import Path
 import nbformat
 from throughput import machine
 
-from coursekit import KIT_ROOT, grading, runs
+from coursekit import KIT_ROOT, diffs, grading, runs
 
 RESULTS = KIT_ROOT / "benchmarks" / "results" / "autograde.json"
 CLASS_SIZE = 80
@@ -29,7 +29,7 @@ def course_copy(root):
     """The kit's nbgrader course (config and lessons) in ``root``, student versions generated."""
     shutil.copy(KIT_ROOT / "nbgrader_config.py", root)
     shutil.copytree(KIT_ROOT / "notebooks", root / "notebooks",
-                    ignore=shutil.ignore_patterns("runs", ".ipynb_checkpoints", grading.WORKING_COPY))
+                    ignore=shutil.ignore_patterns("runs", ".ipynb_checkpoints", *diffs.WORKING_COPIES))
     grading.generate(root)
 
 

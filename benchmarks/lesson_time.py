@@ -56,8 +56,8 @@ def run_seconds(lesson):
 def solution_lines(cell, lesson):
     """Lines a trainee writes for the exercise whose solution cell this is."""
     if cell.metadata["nbgrader"]["grade_id"] == grading.GRADED_WORKING_COPIES.get(lesson):
-        patch = diffs.patch_path(diffs.step_for_lesson(lesson)).read_text()
-        return diffs.counts(patch)[0]
+        return sum(diffs.counts(diffs.patch_path(step).read_text())[0]
+                   for step in diffs.lesson_steps(lesson))
     inside = re.search(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", cell.source, re.DOTALL)
     return len([line for line in inside.group(1).splitlines() if line.strip()]) if inside else 0
 

@@ -26,7 +26,7 @@ MiB = 2**20
 RUNS = [("fsdp", 2, []), ("fsdp", 4, ["--micro-batch", "2"]),
         ("tp", 2, ["--tp", "2"]), ("tp", 4, ["--tp", "4"]),
         ("tp", 4, ["--tp", "2", "--micro-batch", "2"]),
-        ("pp", 2, []), ("pp", 4, ["--microbatches", "4"])]
+        ("pp", 2, []), ("pp", 4, ["--micro-batch", "2"])]
 
 
 def predicted_params(stage, processes, flags):

@@ -8,8 +8,8 @@
     assignments [--root DIR]                   nbgrader student versions of every lesson
     book [--edition reader|instructor]         execute the lessons and build an edition of the book
     diffs build | check                        write / verify diffs/*.patch from solutions/
-    diffs start | status --lesson L [--file F] a lesson's working copy, hunk by hunk
-    diffs apply --lesson L --hunk N            apply one hunk to the working copy
+    diffs start | status --lesson L [--stage S --file F]   a lesson's working copy, hunk by hunk
+    diffs apply --lesson L --hunk N [--stage S]            apply one hunk to the working copy
     batchfiles --site S | --all | --check      Slurm batch files from batchfiles/sites/S.yml
     export-hf RUN_DIR OUT_DIR [--force --untie] a std/ddp/fsdp run as a Hugging Face GPT-2 model
     instruct prepare --out DIR                 the offline instruction-tuning tasks (lesson 05)
@@ -118,6 +118,8 @@ def build_parser():
     diffs_cmd.add_argument("--file", help="start/status/apply: the working copy (default: "
                                           "notebooks/<lesson>/train_gpt2.py)")
     diffs_cmd.add_argument("--hunk", type=positive_int, help="apply: the hunk's number")
+    diffs_cmd.add_argument("--stage", help="start/status/apply: the stage the diff leads to, in a "
+                                           "lesson with several (04: fsdp, tp or pp)")
 
     batch = commands.add_parser("batchfiles", help="Slurm batch files from a site profile")
     which = batch.add_mutually_exclusive_group(required=True)
@@ -255,15 +257,15 @@ def run_diffs(args):
         return 1 if problems else 0
     if not args.lesson:
         raise KitError(f"diffs {args.action} needs --lesson (one of "
-                       f"{', '.join(s.lesson for s in diffs.LADDER)})")
+                       f"{', '.join(dict.fromkeys(s.lesson for s in diffs.LADDER))})")
     if args.action == "start":
-        print(f"working copy: {diffs.start_working_copy(args.lesson, args.file)}")
+        print(f"working copy: {diffs.start_working_copy(args.lesson, args.file, stage=args.stage)}")
         return 0
     if args.action == "apply":
         if args.hunk is None:
             raise KitError("diffs apply needs --hunk N (the numbers are in `diffs status`)")
-        diffs.apply_hunk(args.lesson, args.hunk, args.file)
-    statuses = diffs.status(args.lesson, args.file)
+        diffs.apply_hunk(args.lesson, args.hunk, args.file, stage=args.stage)
+    statuses = diffs.status(args.lesson, args.file, stage=args.stage)
     print(diffs.report(args.lesson, statuses))
     return 0 if all(s.state == "applied" for s in statuses) else 1
 

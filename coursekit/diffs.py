@@ -2,6 +2,7 @@
 
     diffs/<from>-<to>.patch                 unified diff of solutions/train_gpt2_<from>.py -> <to>.py
     notebooks/<lesson>/train_gpt2.py        the trainee's working copy, started from the <from> stage
+                                            (train_gpt2_<to>.py for a lesson's second and third)
 
 `build` writes the patches from `solutions/`; `check` fails if a committed patch is stale or does
 not turn its source into its target byte for byte; `status` tells, hunk by hunk, whether a
@@ -30,8 +31,9 @@ class Step:
         return f"{self.source}-{self.target}"
 
 
-LADDER = [Step("std", "ddp", "02-ddp"), Step("ddp", "lit", "03-lightning"),
-          Step("ddp", "fsdp", "04-model-parallelism")]
+#: Lightning is not on it: it replaces the loop, and lesson 03 compares the two side by side
+LADDER = [Step("std", "ddp", "02-ddp"), Step("ddp", "fsdp", "04-model-parallelism"),
+          Step("fsdp", "tp", "04-model-parallelism"), Step("fsdp", "pp", "04-model-parallelism")]
 CONTEXT_LINES = 3
 HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 DEFINITION = re.compile(r"^\s*(def|class) ")
@@ -45,16 +47,35 @@ def patch_path(step, root=KIT_ROOT):
 WORKING_COPY = "train_gpt2.py"
 
 
+def working_copy_name(step):
+    """train_gpt2.py for a lesson's first diff, train_gpt2_<target>.py for its others."""
+    return WORKING_COPY if step_for_lesson(step.lesson) == step else f"train_gpt2_{step.target}.py"
+
+
 def working_copy_path(step, root=KIT_ROOT):
-    return Path(root) / "notebooks" / step.lesson / WORKING_COPY
+    return Path(root) / "notebooks" / step.lesson / working_copy_name(step)
 
 
-def step_for_lesson(lesson):
-    for step in LADDER:
-        if step.lesson == lesson:
+def lesson_steps(lesson):
+    """The diffs a lesson teaches, in the ladder's order."""
+    return [step for step in LADDER if step.lesson == lesson]
+
+
+def step_for_lesson(lesson, stage=None):
+    """The lesson's diff that leads to ``stage``; without one, the lesson's first diff."""
+    steps = lesson_steps(lesson)
+    if not steps:
+        raise KitError(f"no diff belongs to lesson {lesson!r}; lessons with a diff: "
+                       f"{', '.join(dict.fromkeys(s.lesson for s in LADDER))}")
+    for step in steps:
+        if stage in (None, step.target):
             return step
-    raise KitError(f"no diff belongs to lesson {lesson!r}; lessons with a diff: "
-                   f"{', '.join(s.lesson for s in LADDER)}")
+    raise KitError(f"--stage {stage}: lesson {lesson}'s diffs lead to "
+                   f"{', '.join(s.target for s in steps)}")
+
+
+#: Every working copy's file name (what a lesson's folder may hold of a trainee's scripts)
+WORKING_COPIES = tuple(dict.fromkeys(working_copy_name(step) for step in LADDER))
 
 
 # --- making and reading patches ------------------------------------------------------------------
@@ -190,10 +211,10 @@ def check(root=KIT_ROOT):
 
 
 # --- a trainee's working copy --------------------------------------------------------------------
-def start_working_copy(lesson, path=None, root=KIT_ROOT):
+def start_working_copy(lesson, path=None, root=KIT_ROOT, stage=None):
     """Copy the lesson's source stage to its working copy (by default
     notebooks/<lesson>/train_gpt2.py), unless the trainee already has one."""
-    step = step_for_lesson(lesson)
+    step = step_for_lesson(lesson, stage)
     path = Path(path) if path else working_copy_path(step, root)
     if not path.exists():
         shutil.copyfile(script_path(step.source, root), path)
@@ -210,9 +231,9 @@ def find_block(lines, block):
     return -1
 
 
-def hunks(lesson, root=KIT_ROOT):
+def hunks(lesson, root=KIT_ROOT, stage=None):
     """The hunks of a lesson's patch, to read one at a time."""
-    return parse_patch(patch_path(step_for_lesson(lesson), root).read_text())
+    return parse_patch(patch_path(step_for_lesson(lesson, stage), root).read_text())
 
 
 @dataclass
@@ -222,17 +243,17 @@ class HunkStatus:
     differences: list  # for a conflicting hunk: "- found" / "+ expected" lines
 
 
-def status(lesson, path=None, root=KIT_ROOT):
+def status(lesson, path=None, root=KIT_ROOT, stage=None):
     """Every hunk of the lesson's patch, as found in the working copy."""
-    step = step_for_lesson(lesson)
+    step = step_for_lesson(lesson, stage)
     path = Path(path) if path else working_copy_path(step, root)
     if not path.exists():
-        raise KitError(f"{path} does not exist: start it with "
-                       f"`python -m coursekit diffs start --lesson {lesson}`")
+        raise KitError(f"{path} does not exist: start it with `python -m coursekit diffs start "
+                       f"--lesson {lesson} --stage {step.target}`")
     lines = path.read_text().splitlines()
     target = script_path(step.target, root).read_text().splitlines()
     result = []
-    for hunk in hunks(lesson, root):
+    for hunk in hunks(lesson, root, stage):
         if find_block(lines, hunk.new) >= 0:
             result.append(HunkStatus(hunk, "applied", []))
         elif find_block(lines, hunk.old) >= 0:
@@ -255,11 +276,11 @@ def differences(lines, target, hunk):
     return out
 
 
-def apply_hunk(lesson, number, path=None, root=KIT_ROOT):
+def apply_hunk(lesson, number, path=None, root=KIT_ROOT, stage=None):
     """Apply one not-yet-applied hunk to the working copy (for a trainee who is stuck)."""
-    step = step_for_lesson(lesson)
+    step = step_for_lesson(lesson, stage)
     path = Path(path) if path else working_copy_path(step, root)
-    found = {s.hunk.number: s for s in status(lesson, path, root)}
+    found = {s.hunk.number: s for s in status(lesson, path, root, stage)}
     if number not in found:
         raise KitError(f"--hunk {number}: the {step.name} patch has hunks 1 to {len(found)}")
     hunk_status = found[number]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from coursekit import KIT_ROOT, data
+from coursekit import KIT_ROOT, data, distributed
 
 SLURM_COMMANDS = ("sbatch", "srun", "squeue", "sinfo", "scontrol")
 
@@ -50,6 +50,8 @@ def collect(root=None):
     return {
         "python": sys.version.split()[0],
         "torch": torch.__version__,
+        "torch_needed": ".".join(map(str, distributed.MIN_TORCH)),
+        "torch_new_enough": distributed.torch_version() >= distributed.MIN_TORCH,
         "cuda": torch.version.cuda,
         "rocm": getattr(torch.version, "hip", None),
         "devices": devices(),
@@ -74,7 +76,9 @@ def report(info):
     yes_no = {True: "yes", False: "no"}
     lines = [
         f"python            {info['python']}",
-        f"torch             {info['torch']} (CUDA {info['cuda'] or '-'}, ROCm {info['rocm'] or '-'})",
+        f"torch             {info['torch']} (CUDA {info['cuda'] or '-'}, ROCm {info['rocm'] or '-'}; "
+        f"the stages need >= {info['torch_needed']}"
+        f"{'' if info['torch_new_enough'] else ': TOO OLD, load or install a newer torch'})",
         f"cpu cores         {info['cpu_cores']} usable of {info['machine_cores']}",
     ]
     lines += [f"device            {kind}:{index}  {name}" for kind, index, name in info["devices"]]

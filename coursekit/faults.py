@@ -13,16 +13,14 @@ can cause.
 - a full disk or quota: the path that could not be written.
 Anything else is a bug, and keeps its traceback.
 
-The stages start their process group with init_process_group below: collectives that time out
-(KIT_DIST_TIMEOUT seconds, 600 by default, NCCL's own default) rather than wait for ever, and a
-store that a group restarted by torchrun cannot confuse with the crashed group's.
+The stages start their process group with coursekit.distributed.setup: collectives that time
+out (KIT_DIST_TIMEOUT seconds) rather than wait for ever.
 """
 import errno
 import os
 import re
 import sys
 import traceback
-from datetime import timedelta
 from pathlib import Path
 
 from coursekit import KitError
@@ -31,7 +29,7 @@ from coursekit import KitError
 #: project directories have), a file over the size limit (ulimit -f)
 NO_ROOM = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 RESUME = "the last checkpoint is intact: run the same command again with --resume"
-TIMEOUT_VARIABLE, DEFAULT_TIMEOUT_S = "KIT_DIST_TIMEOUT", 600
+TIMEOUT_VARIABLE = "KIT_DIST_TIMEOUT"  # coursekit.distributed reads it
 
 
 def run(main):
@@ -76,47 +74,6 @@ def out_of_room(err):
     return out_of_room(cause) if cause is not None else None
 
 
-# --- the process group -----------------------------------------------------------------------
-
-def dist_timeout():
-    """How long a collective waits for the other processes: KIT_DIST_TIMEOUT seconds."""
-    text = os.environ.get(TIMEOUT_VARIABLE, str(DEFAULT_TIMEOUT_S))
-    try:
-        seconds = float(text)
-    except ValueError:
-        seconds = 0
-    if not seconds > 0:
-        raise KitError(f"{TIMEOUT_VARIABLE}={text!r}: expected a number of seconds > 0")
-    return timedelta(seconds=seconds)
-
-
-def init_process_group(backend, rank, world_size):
-    """torch.distributed.init_process_group for a group that meets at MASTER_ADDR:MASTER_PORT
-    (rendezvous_store), whose collectives fail after dist_timeout() rather than wait for ever
-    for a process that hung or died."""
-    import torch.distributed as dist
-
-    timeout = dist_timeout()
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                            store=rendezvous_store(rank, world_size, timeout))
-
-
-def rendezvous_store(rank, world_size, timeout):
-    """The key-value store where a group's processes meet, at MASTER_ADDR:MASTER_PORT: torchrun's
-    (its agent on the first node holds it) or, under `srun python`, one that rank 0 holds. Each
-    launch of the group keeps its keys apart: torchrun's static rendezvous keeps one store for
-    all of its --max-restarts, and a process of the restarted group could otherwise read the
-    address a process of the crashed one left there and fail to connect (torch 2.13)."""
-    import torch.distributed as dist
-
-    agent_holds_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                          is_master=rank == 0 and not agent_holds_it, timeout=timeout,
-                          multi_tenant=True)
-    launch = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"launch_{launch}", store)
-
-
 # --- collectives -----------------------------------------------------------------------------
 
 # How gloo and NCCL report a peer that hung (a timeout) or died (a closed connection)
@@ -143,8 +100,9 @@ def collective_failure(err):
         collective = "the gradient all-reduce in backward (DDP)"
     else:
         collective = "a collective"
+    kit = Path(__file__).parent  # the script's line that called the kit's collective, not the kit's
     ours = [f for f in frames if "site-packages" not in f.filename
-            and not f.filename.startswith(sys.prefix) and Path(f.filename).name != "faults.py"]
+            and not f.filename.startswith(sys.prefix) and Path(f.filename).parent != kit]
     where = f" at {Path(ours[-1].filename).name}:{ours[-1].lineno} ({ours[-1].line})" if ours else ""
     timed_out = TIMED_OUT.search(str(err))
     if timed_out:

@@ -22,15 +22,15 @@ from nbgrader.exchange.default import ExchangeCollect
 from nbgrader.preprocessors import NbGraderPreprocessor
 
 from coursekit import KitError, diffs, stages
-from coursekit.diffs import WORKING_COPY
+from coursekit.diffs import WORKING_COPIES
 
 #: The cell tag that autograde skips (nbgrader_config.py sets it as Execute.skip_cells_with_tag).
 DEMO_TAG = "demo"
 #: The kernel autograde runs submissions in (coursekit/jupyter/kernels/, coursekit/sandbox.py).
 GRADING_KERNEL = "coursekit-grading"
-#: Lessons that grade the working copy (coursekit.diffs.WORKING_COPY) handed in with the notebook:
-#: {lesson: that exercise's id}. A release has no working copy: each trainee starts their own.
-GRADED_WORKING_COPIES = {"02-ddp": "conversion"}
+#: Lessons that grade the working copies (coursekit.diffs) handed in with the notebook: {lesson:
+#: that exercise's id}. A release has no working copy: each trainee starts their own.
+GRADED_WORKING_COPIES = {"02-ddp": "conversion", "04-model-parallelism": "conversions"}
 
 
 def lessons(root):
@@ -99,7 +99,7 @@ def generate(root):
     the working copies that running the lessons in the course root leaves there, and unpaired."""
     nbgrader(root, "generate_assignment", "*", "--force")
     release = Path(root) / "release"
-    for working_copy in release.glob(f"*/{WORKING_COPY}"):
+    for working_copy in (path for name in WORKING_COPIES for path in release.glob(f"*/{name}")):
         working_copy.unlink()
     for notebook in release.glob("*/*.ipynb"):
         unpair(notebook)
@@ -121,15 +121,14 @@ def unpair(notebook):
 
 def hand_in(folder, lesson, notebook, converted):
     """A submission folder: ``notebook`` (an nbformat notebook) and, for a lesson that grades
-    it, the working copy, converted to the lesson's target stage or as the lesson starts it."""
+    them, its working copies, converted to their target stages or as the lesson starts them."""
     import nbformat
 
     folder.mkdir(parents=True)
     nbformat.write(notebook, folder / f"{lesson}.ipynb")
-    if lesson in GRADED_WORKING_COPIES:
-        step = diffs.step_for_lesson(lesson)
+    for step in diffs.lesson_steps(lesson) if lesson in GRADED_WORKING_COPIES else []:
         shutil.copy(stages.script_path(step.target if converted else step.source),
-                    folder / WORKING_COPY)
+                    folder / diffs.working_copy_name(step))
     return folder
 
 

@@ -34,7 +34,8 @@ import torch
 from coursekit import KitError, __version__, data, runs
 from coursekit.presets import GPT2_VOCAB
 
-SUPPORTED_STAGES = ("std", "ddp", "fsdp")
+SUPPORTED_STAGES = ("std", "ddp", "fsdp", "tp", "pp")
+SHARDED_STAGES = ("fsdp", "tp", "pp")  # their checkpoints: every rank's part, in DCP's format
 CONV1D_WEIGHTS = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight",
                   "mlp.c_proj.weight")
 VOCAB_ROWS = ("transformer.wte.weight", "lm_head.weight")  # one tied matrix, under both names
@@ -84,8 +85,8 @@ def read_run(run_dir):
     config = runs.read_json(config_path)
     stage = config.get("stage")
     if stage not in SUPPORTED_STAGES:
-        raise KitError(f"{run_dir} is a run of stage {stage!r}: export-hf reads std, ddp and fsdp "
-                       "runs (tp, pp and lit checkpoints are not supported)")
+        raise KitError(f"{run_dir} is a run of stage {stage!r}: export-hf reads std, ddp, fsdp, tp "
+                       "and pp runs (Lightning's checkpoints are not supported)")
     checkpoint = runs.checkpoint_to_resume(run_dir)  # fsdp checkpoints unpickle .metadata
     if checkpoint is None or not checkpoint.is_dir():
         raise KitError(f"{run_dir} has no checkpoint (ckpt/step_*): a run saves one every "
@@ -117,15 +118,16 @@ def tokenizer_cache():
 def load_model_state(stage, checkpoint):
     """(step, the kit model's full state_dict on the CPU) of ``checkpoint``, a run's newest
     intact one."""
-    if stage == "fsdp":
+    if stage in SHARDED_STAGES:
         return runs.checkpoint_step(checkpoint), load_sharded_model_state(checkpoint)
     step, state = runs.read_checkpoint(checkpoint)
     return step, state["model"]
 
 
 def load_sharded_model_state(checkpoint):
-    """Reassemble the model from an fsdp checkpoint's shards: the metadata gives every tensor's
-    full shape, and dcp.load without a process group fills whole tensors from all ranks' files."""
+    """Reassemble the model from a sharded checkpoint (FSDP's shards, TP's slices, PP's stages):
+    the metadata gives every tensor's full shape, and dcp.load without a process group fills
+    whole tensors from all ranks' files."""
     import torch.distributed.checkpoint as dcp
 
     reader = dcp.FileSystemReader(checkpoint)
@@ -139,11 +141,20 @@ def load_sharded_model_state(checkpoint):
     return state["model"]
 
 
+def fused_attention(kit_state):
+    """The kit's separate q, k and v projections as GPT-2's one c_attn: their rows stacked."""
+    state = dict(kit_state)
+    for name in [n for n in kit_state if ".attn.q_proj." in n]:
+        parts = [state.pop(name.replace("q_proj", part)) for part in ("q_proj", "k_proj", "v_proj")]
+        state[name.replace("q_proj", "c_attn")] = torch.cat(parts)
+    return state
+
+
 def hf_state_dict(kit_state):
-    """The kit's weights in Hugging Face GPT-2's layout: Conv1D weights transposed, the tied
-    embedding trimmed to GPT-2's vocabulary."""
+    """The kit's weights in Hugging Face GPT-2's layout: q, k and v fused, Conv1D weights
+    transposed, the tied embedding trimmed to GPT-2's vocabulary."""
     hf_state = {}
-    for name, tensor in kit_state.items():
+    for name, tensor in fused_attention(kit_state).items():
         if name.endswith(CONV1D_WEIGHTS):
             tensor = tensor.t()
         if name in VOCAB_ROWS:

@@ -34,6 +34,7 @@ not with the world size. Activation checkpointing keeps only each block's input 
 the rest during backward.
 """
 import functools
+from pathlib import Path
 from dataclasses import dataclass
 
 from coursekit import KitError
@@ -176,3 +177,51 @@ def fits(total_bytes, usable=0.9):
     """{device GB: does it fit?}, leaving a tenth of each device to the CUDA context, the
     allocator's fragmentation and communication buffers."""
     return {gb: total_bytes <= usable * gb * 1e9 for gb in DEVICE_GB}
+
+
+# --- what a training process holds, measured ---------------------------------------------------
+
+MEASURED_PARTS = ("params", "grads", "optimizer", "peak")  # bytes
+
+
+def local_bytes(tensors):
+    """Bytes of these tensors on this rank: a sharded (DTensor) one counts its local shard."""
+    from torch.distributed.tensor import DTensor
+    return sum(t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes for t in tensors)
+
+
+def measured(model, optimizer, device):
+    """Bytes this rank holds in its parameters, gradients and optimiser state (its shards of
+    them, when sharded), and its peak memory: the CUDA allocator's on a GPU, the resident set
+    size on a CPU."""
+    import resource
+
+    import torch
+
+    params = list(model.parameters())
+    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
+    if device.type == "cuda":
+        peak, peak_kind = torch.cuda.max_memory_allocated(device), "CUDA allocated"
+    else:
+        peak, peak_kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "RSS"
+    return {"params": local_bytes(params),
+            "grads": local_bytes(p.grad for p in params if p.grad is not None),
+            "optimizer": local_bytes(state), "peak": peak, "peak_kind": peak_kind}
+
+
+def report(run_dir, model, optimizer, device):
+    """Every rank's measured memory, printed by rank 0 and written to RUN_DIR/memory.json."""
+    import torch.distributed as dist
+
+    from coursekit import launch, runs
+
+    mine = measured(model, optimizer, device)
+    every_rank = launch.numbers_of_every_rank([mine[part] for part in MEASURED_PARTS], device)
+    reports = [{**dict(zip(MEASURED_PARTS, numbers)), "peak_kind": mine["peak_kind"]}
+               for numbers in every_rank]  # every rank has the same kind of device
+    for rank, r in enumerate(reports):
+        print(f"rank {rank} | params {r['params'] / 2**20:.2f} MiB | grads "
+              f"{r['grads'] / 2**20:.2f} MiB | optimizer {r['optimizer'] / 2**20:.2f} MiB | "
+              f"peak {r['peak'] / 2**20:.1f} MiB ({r['peak_kind']})")
+    if dist.get_rank() == 0:
+        runs.write_json_atomic(Path(run_dir) / "memory.json", reports)

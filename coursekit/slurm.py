@@ -231,7 +231,8 @@ def model_parallel_flags(stage, profile, topology):
         default = samples // preset.micro_batch
         microbatches = min(m for m in range(max(default, topology.processes), samples + 1)
                            if samples % m == 0)
-        return ([f"--microbatches {microbatches}"] if microbatches != default else []), 1
+        flags = [f"--micro-batch {samples // microbatches}"] if microbatches != default else []
+        return flags, 1
     return [], topology.processes
 
 

@@ -1,7 +1,8 @@
 """Train a GPT-2 language model on many devices with DistributedDataParallel: the "ddp" stage.
 
-Read it top to bottom: the model, the data, the optimiser and its schedule, checkpoints, then the
-training loop. Every later stage (DDP, Lightning, FSDP, ...) is a small diff on this file.
+The model, GPT-2, is solutions/gpt.py: every stage trains it unchanged. Read this file top to
+bottom: the data, the optimiser and its schedule, checkpoints, then the training loop. Every later
+stage (DDP, FSDP, tensor and pipeline parallelism) is a small diff on it.
 
     python -m coursekit data prepare --source builtin --out data/builtin
     torchrun --standalone --nproc-per-node=2 solutions/train_gpt2_ddp.py --preset tiny
@@ -13,133 +14,20 @@ The words of the course, as this script uses them:
     step        one optimiser update;   epoch: one pass over the training tokens
     identity    tokens seen = steps x minibatch x T
 """
-import gc
 import math
-import os
-import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
-import torch.nn as nn
-import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
-from coursekit import KitError, data, faults, perf, presets, runs, tracking
-from coursekit.cli import ArgumentParser, non_negative_float, positive_float, positive_int
+from coursekit import distributed, faults, perf, presets, runs, tracking, training
+from solutions.gpt import GPT, GPTConfig, cross_entropy
 
 STAGE = Path(__file__).stem.removeprefix("train_gpt2_")  # names the default run directory
-
-
-# ----------------------------------------------------------------------------------------------
-# The model: GPT-2 (decoder-only transformer, pre-LayerNorm, learned positions, tied embeddings)
-# ----------------------------------------------------------------------------------------------
-@dataclass
-class GPTConfig:
-    vocab_size: int = presets.PADDED_VOCAB
-    block_size: int = 1024  # longest sequence the position table covers
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.head_dim = config.n_embd // config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
-        self.c_proj.scale_init_by_depth = True
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, heads, T, head_dim); "-1" heads: a tensor-parallel shard works unchanged
-        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        # flash attention where the hardware has it; never materialises the T x T matrix
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
-        self.c_proj.scale_init_by_depth = True
-
-    def forward(self, x):
-        return self.c_proj(self.gelu(self.c_fc(x)))
-
-
-class Block(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.mlp = MLP(config)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))  # residual stream: blocks add to it, never replace it
-        return x + self.mlp(self.ln_2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
-            ln_f=nn.LayerNorm(config.n_embd),
-        ))
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying: one matrix in and out
-        self.apply(self._init_weights)
-
-    def _init_weights(self, module):
-        # GPT-2's initialisation; projections into the residual stream are scaled by
-        # 1/sqrt(2 n_layer) so the stream's variance does not grow with depth
-        if isinstance(module, nn.Linear):
-            std = 0.02
-            if getattr(module, "scale_init_by_depth", False):
-                std *= (2 * self.config.n_layer) ** -0.5
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-
-    def forward(self, idx, targets=None):
-        T = idx.shape[1]
-        pos = torch.arange(T, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
-        for block in self.transformer.h:
-            x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
-        return logits, loss
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=0.8, top_k=50, generator=None):
-        """Continue ``idx`` by sampling from the top_k most likely tokens, one token at a time."""
-        for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.config.block_size:])
-            logits = logits[:, -1, :] / temperature
-            top_values, _ = torch.topk(logits, top_k)
-            logits[logits < top_values[:, [-1]]] = -float("inf")
-            probs = F.softmax(logits, dim=-1)
-            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
-        return idx
 
 
 # ----------------------------------------------------------------------------------------------
@@ -200,51 +88,12 @@ def learning_rate(step, max_lr, warmup_steps, max_steps, min_lr_ratio=0.1):
 
 
 # ----------------------------------------------------------------------------------------------
-# Device, precision, evaluation, checkpoints
+# One step's forward and backward, evaluation, checkpoints
 # ----------------------------------------------------------------------------------------------
-def init_distributed():
-    """Where this process is, as torchrun or Slurm's `srun python` says."""
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
-    world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
-    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
-    sys.stdout = open(os.devnull, "w") if rank else sys.stdout  # one log: rank 0's
-    if world_size > 1:  # gloo for CPU tensors, and NCCL for GPU tensors where there are GPUs
-        backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "cpu:gloo"
-        faults.init_process_group(backend, rank, world_size)  # at MASTER_ADDR:PORT
-        print(f"{world_size} processes, backends {dist.get_backend_config()}")
-    return rank, world_size, local_rank
-
-
-def all_reduce_mean(tensor):
-    if dist.is_initialized():  # gloo has no AVG: divide by the world size, then sum
-        dist.all_reduce(tensor.div_(dist.get_world_size()), op=dist.ReduceOp.SUM)
-    return tensor
-
-
-def pick_device(requested, local_rank):
-    if requested != "auto":
-        return torch.device(requested)
-    if torch.cuda.is_available():  # NVIDIA, and AMD GPUs through ROCm's cuda API
-        if local_rank >= torch.cuda.device_count():
-            raise KitError(f"local rank {local_rank} has no GPU: fewer processes, or --device cpu")
-        torch.cuda.set_device(local_rank)  # one device per process
-        return torch.device("cuda", local_rank)
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        return torch.device("xpu")
-    return torch.device("cpu")
-
-
-def autocast_for(device):
-    """bf16 autocast on GPUs that have it (matmuls in bf16, weights and optimiser in fp32)."""
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.autocast(device_type="cuda", dtype=torch.bfloat16), "bf16 autocast"
-    return nullcontext(), "fp32"
-
-
 def forward_backward(model, x, y, grad_accum, autocast):
     """One microbatch: forward, then backward of its share of the minibatch's mean loss."""
     with autocast:
-        _, loss = model(x, y)
+        loss = cross_entropy(model(x), y)
     loss = loss / grad_accum  # gradients of the minibatch mean, not a sum of means
     loss.backward()
     return loss.detach()
@@ -258,23 +107,10 @@ def evaluate(model, val_loader, eval_steps, device, autocast):
     for _ in range(eval_steps):
         x, y = val_loader.next_batch()
         with autocast:
-            _, loss = model(x.to(device), y.to(device))
+            loss = cross_entropy(model(x.to(device)), y.to(device))
         total += loss.detach()
     model.train()
     return (total / eval_steps).item()
-
-
-def rng_state(device):
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state, device):
-    torch.set_rng_state(state["cpu"])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
 
 
 def save_checkpoint(run_dir, step, model, optimizer, train_loader, device):
@@ -282,7 +118,7 @@ def save_checkpoint(run_dir, step, model, optimizer, train_loader, device):
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "train_loader": train_loader.state_dict(),
-        "rng": rng_state(device),
+        "rng": training.rng_state(device),
     })
 
 
@@ -296,115 +132,24 @@ def resume(run_dir, model, optimizer, train_loader, device):
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     train_loader.load_state_dict(state["train_loader"])
-    set_rng_state(state["rng"], device)
+    training.set_rng_state(state["rng"], device)
     print(f"resumed from {path} at step {step}")
     return step
 
 
-class StopSignal:
-    """Slurm sends SIGUSR1 (with --signal) or SIGTERM before it stops a job: finish the step,
-    checkpoint, exit 0, and let the requeued job resume."""
-
-    def __init__(self):
-        self.received = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self.handle)
-
-    def handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
-
-
 # ----------------------------------------------------------------------------------------------
-# Command line
+# Command line and training
 # ----------------------------------------------------------------------------------------------
 def parse_args(argv=None):
-    parser = ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", choices=list(presets.PRESETS), default=None,
-                        help="model and batch sizes (default: gpt2-124m on a GPU, tiny on a CPU)")
-    parser.add_argument("--data", help="prepared data directory (default: the preset's)")
-    parser.add_argument("--out", help=f"run directory (default: runs/{STAGE}-<preset>)")
-    parser.add_argument("--max-steps", type=positive_int, help="optimiser steps (schedule length)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the run directory's newest checkpoint, if it has one")
-    parser.add_argument("--micro-batch", type=positive_int, help="samples per forward pass (B)")
-    parser.add_argument("--seq-len", type=positive_int, help="tokens per sample (T)")
-    parser.add_argument("--batch-tokens", type=positive_int, help="tokens per optimiser step")
-    parser.add_argument("--lr", type=positive_float, help="peak learning rate")
-    parser.add_argument("--weight-decay", type=non_negative_float,
-                        help="AdamW weight decay of the matrices")
-    parser.add_argument("--n-layer", type=positive_int, help="transformer blocks (model depth)")
-    parser.add_argument("--warmup-steps", type=int, help="linear warm-up steps")
-    parser.add_argument("--eval-interval", type=positive_int, help="steps between validations")
-    parser.add_argument("--eval-steps", type=positive_int, help="microbatches per validation")
-    parser.add_argument("--ckpt-interval", type=positive_int, help="steps between checkpoints")
-    parser.add_argument("--seed", type=int, default=1337)
-    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "xpu", "cpu"])
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
-    parser.add_argument("--sample-tokens", type=int, default=64, help="tokens generated at the end")
-    tracking.add_argument(parser)
-    parser.add_argument("--prompt", default="The", help="start of the generated sample")
-    args = parser.parse_args(argv)
-    try:
-        check_args(args)
-    except KitError as err:
-        parser.error(str(err))
-    return args
+    return training.parse_args(training.argument_parser(__doc__, STAGE), argv)
 
 
-def check_args(args):
-    """Fill preset defaults, then refuse combinations that cannot work, saying why."""
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise KitError("--device cuda: no CUDA/ROCm GPU is visible (use --device auto or cpu)")
-    preset = presets.get_preset(args.preset or presets.default_preset_name(
-        torch.cuda.is_available() and args.device in ("auto", "cuda")))
-    args.preset = preset.name
-    for name in ("data", "max_steps", "micro_batch", "seq_len", "batch_tokens", "lr",
-                 "weight_decay", "n_layer", "eval_interval", "eval_steps", "ckpt_interval"):
-        if getattr(args, name) is None:
-            setattr(args, name, getattr(preset, name))
-    if args.warmup_steps is None:  # a short run warms up for a tenth of its steps at most
-        args.warmup_steps = min(preset.warmup_steps, args.max_steps // 10)
-    args.out = args.out or f"runs/{STAGE}-{preset.name}"
-    if args.seq_len > preset.seq_len:
-        raise KitError(f"--seq-len {args.seq_len} is longer than the {preset.name} model's "
-                       f"context of {preset.seq_len} tokens")
-    if not 0 <= args.warmup_steps <= args.max_steps:
-        raise KitError(f"--warmup-steps {args.warmup_steps} must be between 0 and --max-steps "
-                       f"({args.max_steps})")
-    if args.batch_tokens % (args.micro_batch * args.seq_len):
-        raise KitError(f"--batch-tokens {args.batch_tokens} is not a multiple of micro-batch x "
-                       f"seq-len = {args.micro_batch} x {args.seq_len} = "
-                       f"{args.micro_batch * args.seq_len}")
-    if not 0 <= args.sample_tokens <= 4096:
-        raise KitError(f"--sample-tokens {args.sample_tokens} must be between 0 and 4096")
-    meta = data.read_meta(args.data)
-    needed = args.micro_batch * args.seq_len + 1
-    for split, info in meta["splits"].items():
-        if info["tokens"] < needed:
-            raise KitError(f"the {split} split of {args.data} has {info['tokens']:,} tokens, "
-                           f"fewer than one microbatch needs ({needed:,}): lower --micro-batch "
-                           f"or --seq-len, or prepare more data")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise KitError(f"--out {out} is a file, not a run directory")
-    if runs.latest_checkpoint(out) is not None and not args.resume:
-        raise KitError(f"{out} already holds a checkpoint: pass --resume to continue that run, "
-                       "or choose another --out")
-
-
-# ----------------------------------------------------------------------------------------------
-# Training
-# ----------------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
-    rank, world_size, local_rank = init_distributed()
     torch.manual_seed(args.seed)
-    device = pick_device(args.device, local_rank)
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 for any matmul left in fp32
-    if device.type == "cpu":
-        perf.keep_freed_cpu_memory()  # reuse freed tensors' pages instead of re-faulting them
-    autocast, precision = autocast_for(device)
+    # this process's rank, the number of processes and its device: its GPU, or the CPU
+    rank, world_size, device = distributed.setup(args.device)
+    autocast, precision = training.prepare_device(device)
 
     preset = presets.get_preset(args.preset)
     config = GPTConfig(vocab_size=preset.vocab_size, block_size=preset.seq_len,
@@ -413,46 +158,26 @@ def main(argv=None):
     if args.compile:
         model.compile()  # in place: state_dict keys stay the same as without compile
     # DDP averages gradients across processes, bucket by bucket while backward is still running
-    ddp_model = nn.parallel.DistributedDataParallel(model) if world_size > 1 else model
+    ddp_model = DDP(model)
 
     B, T = args.micro_batch, args.seq_len
-    if args.batch_tokens % (B * T * world_size):
-        raise KitError(f"--batch-tokens {args.batch_tokens} is not a multiple of B x T x processes")
-    grad_accum = args.batch_tokens // (B * T * world_size)
+    grad_accum = training.batch_split(args, world_size)
     train_loader = TokenShardLoader(args.data, "train", B, T, rank, world_size)
     val_loader = TokenShardLoader(args.data, "val", B, T)
     optimizer = configure_optimizer(model, args.lr, args.weight_decay, device)
 
-    flops_per_token = perf.flops_per_token(config.n_layer, config.n_embd, T, config.vocab_size)
-    peak, peak_source = perf.peak_flops(device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"device {device} ({perf.device_name(device)}) | {precision} | "
-          f"compile {'on' if args.compile else 'off'} | peak {peak / 1e12:.2f} TFLOP/s "
-          f"({peak_source})")
-    print(f"model {preset.name}: {n_params:,} parameters, {config.n_layer} layers, "
-          f"{config.n_head} heads, {config.n_embd} wide, context {config.block_size}")
-    print(f"sample = {T} tokens | microbatch = {B} samples | grad_accum = {grad_accum} | "
-          f"minibatch = {args.batch_tokens // T} samples = {args.batch_tokens:,} tokens per step")
-    print(f"{args.max_steps:,} steps x {args.batch_tokens:,} tokens = "
-          f"{args.max_steps * args.batch_tokens:,} tokens = "
-          f"{args.max_steps * args.batch_tokens / train_loader.total_tokens:.2f} epochs of "
-          f"{train_loader.total_tokens:,} training tokens")
-
+    run_config = training.run_config(args, preset, config, n_params, device, precision,
+                                     grad_accum=grad_accum, world_size=world_size)
+    training.print_banner(run_config, train_loader.total_tokens)
     run_dir = Path(args.out)
     runs.make_run_dir(run_dir)
     start_step = resume(run_dir, model, optimizer, train_loader, device) if args.resume else 0
-    run_config = {
-        "stage": STAGE, "args": vars(args), "preset": preset.as_dict(), "model": asdict(config),
-        "parameters": n_params, "grad_accum": grad_accum, "world_size": world_size,
-        "flops_per_token": flops_per_token, "peak_flops": peak, "peak_source": peak_source,
-        "device": str(device), "device_name": perf.device_name(device), "precision": precision,
-        "torch": torch.__version__,
-    }
     if rank == 0:
         runs.start_run(run_dir, run_config, start_step)
     tracker = tracking.start(args.track, run_dir, resumed=start_step > 0)
 
-    stop, done = StopSignal(), start_step
+    stop, done = training.StopSignal(), start_step
     for step in range(start_step, args.max_steps):
         t0 = time.perf_counter()
         lr = learning_rate(step, args.lr, args.warmup_steps, args.max_steps)
@@ -462,33 +187,31 @@ def main(argv=None):
         loss_sum = torch.zeros((), device=device)
         for micro in range(grad_accum):
             x, y = [t.to(device) for t in train_loader.next_batch()]
-            accumulate = micro < grad_accum - 1 and world_size > 1  # all-reduce after the last only
+            accumulate = micro < grad_accum - 1  # all-reduce gradients after the last only
             with ddp_model.no_sync() if accumulate else nullcontext():
                 loss_sum += forward_backward(ddp_model, x, y, grad_accum, autocast)
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), preset.grad_clip)
         optimizer.step()
-        loss_value = all_reduce_mean(loss_sum).item()  # the whole minibatch's loss; waits too
+        # the minibatch's mean loss over every rank, and whether any rank was told to stop (Slurm
+        # signals each task at its own moment): one all-reduce; .item() waits for it too
+        totals = distributed.all_reduce_mean(torch.stack([loss_sum, stop.flag(device)]))
+        loss_value, stopping = totals.tolist()
         dt = time.perf_counter() - t0
 
         done = step + 1
         tokens_per_s = args.batch_tokens / dt
         record = {"step": done, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
                   "ms": dt * 1000, "tok_per_s": tokens_per_s,
-                  "mfu": perf.mfu(tokens_per_s / world_size, flops_per_token, peak),
+                  "mfu": perf.mfu(tokens_per_s / world_size, run_config["flops_per_token"],
+                                  run_config["peak_flops"]),
                   "epoch": train_loader.epoch + train_loader.offset / train_loader.total_tokens}
-        line = (f"step {done}/{args.max_steps} | loss {loss_value:.4f} | lr {lr:.1e} | "
-                f"grad_norm {record['grad_norm']:.2f} | {record['ms']:.1f} ms | "
-                f"{tokens_per_s:,.0f} tok/s | mfu {100 * record['mfu']:.1f}%")
         if done % args.eval_interval == 0 or done == args.max_steps:
             record["val_loss"] = evaluate(model, val_loader, args.eval_steps, device, autocast)
-            line += f" | val {record['val_loss']:.4f}"
-        print(line, flush=True)
+        print(training.step_line(record, args.max_steps), flush=True)
         if rank == 0:
             runs.append_metrics(run_dir, record)
         tracker.log_step(record)
 
-        # Slurm signals each task at its own moment: stop together once any rank has been told
-        stopping = all_reduce_mean(torch.tensor(float(stop.received is not None))).item() > 0
         if rank == 0 and (done % args.ckpt_interval == 0 or done == args.max_steps or stopping):
             save_checkpoint(run_dir, done, model, optimizer, train_loader, device)
         if stopping and done < args.max_steps:
@@ -497,25 +220,12 @@ def main(argv=None):
             break
 
     if rank == 0 and args.sample_tokens and done == args.max_steps:
-        write_sample(model, run_dir, args, device)
+        model.eval()
+        training.write_sample(run_dir, args, device, model.generate)
     tracker.finish(run_dir, runs.latest_checkpoint(run_dir))
-    if world_size > 1:  # free DDP's reducer before the group: avoids a hang at exit (compile+gloo)
-        dist.barrier()
-        del ddp_model
-        gc.collect()
-        dist.destroy_process_group()
+    del ddp_model  # its reducer holds the group: free it first
+    distributed.finish()
     return 0
-
-
-def write_sample(model, run_dir, args, device):
-    encoding = data.gpt2_encoding()
-    prompt = torch.tensor([encoding.encode_ordinary(args.prompt)], device=device)
-    generator = torch.Generator(device=device).manual_seed(args.seed)  # leaves the global RNG alone
-    model.eval()
-    tokens = model.generate(prompt, args.sample_tokens, generator=generator)[0].tolist()
-    text = encoding.decode([t for t in tokens if t < data.EOT_TOKEN])
-    (run_dir / "sample.txt").write_text(text + "\n")
-    print(f"sample: {text!r}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Train a GPT-2 language model with PyTorch Lightning: the "lit" stage.
 
-Read it top to bottom: the model, the data, the optimiser and its schedule, checkpoints, then the
-training loop. Every later stage (DDP, Lightning, FSDP, ...) is a small diff on this file.
+Lightning replaces the training loop: it runs the model of solutions/gpt.py on the data and with
+the schedule of the ddp stage, which this file imports. Compare it with train_gpt2_ddp.py side
+by side: what that script does by hand, the LightningModule and the Trainer below decide.
 
     python -m coursekit data prepare --source builtin --out data/builtin
     python solutions/train_gpt2_lit.py --preset tiny --devices 2          # one machine
@@ -15,27 +16,24 @@ The words of the course, as this script uses them:
     identity    tokens seen = steps x minibatch x T
 """
 import importlib.util
-import math
 import os
 import sys
 import time
 import warnings
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import numpy as np
 import lightning as L
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import grad_norm
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, TensorDataset
 
-from coursekit import KitError, data, faults, perf, presets, runs, tracking
-from coursekit.cli import ArgumentParser, non_negative_float, positive_float, positive_int
+from coursekit import KitError, faults, perf, presets, runs, tracking, training
+from coursekit.cli import positive_int
+from solutions import train_gpt2_ddp as ddp
+from solutions.gpt import GPT, GPTConfig, cross_entropy
 
 STAGE = Path(__file__).stem.removeprefix("train_gpt2_")  # names the default run directory
 STRATEGIES = ["auto", "ddp", "ddp_notebook", "fsdp", "deepspeed_stage_1", "deepspeed_stage_2",
@@ -49,135 +47,11 @@ if int(os.environ.get("SLURM_NTASKS", "1")) == 1:
 
 
 # ----------------------------------------------------------------------------------------------
-# The model: GPT-2 (decoder-only transformer, pre-LayerNorm, learned positions, tied embeddings)
+# The data and the optimiser: the ddp stage's, as Lightning takes them
 # ----------------------------------------------------------------------------------------------
-@dataclass
-class GPTConfig:
-    vocab_size: int = presets.PADDED_VOCAB
-    block_size: int = 1024  # longest sequence the position table covers
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.head_dim = config.n_embd // config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
-        self.c_proj.scale_init_by_depth = True
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, heads, T, head_dim); "-1" heads: a tensor-parallel shard works unchanged
-        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        # flash attention where the hardware has it; never materialises the T x T matrix
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
-        self.c_proj.scale_init_by_depth = True
-
-    def forward(self, x):
-        return self.c_proj(self.gelu(self.c_fc(x)))
-
-
-class Block(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.mlp = MLP(config)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))  # residual stream: blocks add to it, never replace it
-        return x + self.mlp(self.ln_2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            h=nn.ModuleList(Block(config) for _ in range(config.n_layer)),
-            ln_f=nn.LayerNorm(config.n_embd),
-        ))
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying: one matrix in and out
-        self.apply(self._init_weights)
-
-    def _init_weights(self, module):
-        # GPT-2's initialisation; projections into the residual stream are scaled by
-        # 1/sqrt(2 n_layer) so the stream's variance does not grow with depth
-        if isinstance(module, nn.Linear):
-            std = 0.02
-            if getattr(module, "scale_init_by_depth", False):
-                std *= (2 * self.config.n_layer) ** -0.5
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-
-    def forward(self, idx, targets=None):
-        T = idx.shape[1]
-        pos = torch.arange(T, device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
-        for block in self.transformer.h:
-            x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
-        return logits, loss
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=0.8, top_k=50, generator=None):
-        """Continue ``idx`` by sampling from the top_k most likely tokens, one token at a time."""
-        for _ in range(max_new_tokens):
-            logits, _ = self(idx[:, -self.config.block_size:])
-            logits = logits[:, -1, :] / temperature
-            top_values, _ = torch.topk(logits, top_k)
-            logits[logits < top_values[:, [-1]]] = -float("inf")
-            probs = F.softmax(logits, dim=-1)
-            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=generator)], dim=1)
-        return idx
-
-
-# ----------------------------------------------------------------------------------------------
-# Data: microbatches read in order from the token shards
-# ----------------------------------------------------------------------------------------------
-class TokenShardLoader:
-    """Serves (inputs, targets) microbatches of B samples x T tokens from ``{split}_*.npy``.
-
-    Targets are the inputs shifted by one token. The position (shard, offset, epoch) goes into
-    checkpoints, so a resumed run sees exactly the batches the interrupted one would have seen.
-    """
-
-    def __init__(self, data_dir, split, B, T, rank=0, world_size=1):
-        self.paths = sorted(Path(data_dir).glob(f"{split}_*.npy"))
-        self.B, self.T = B, T
-        self.rank, self.world_size = rank, world_size
-        self.total_tokens = sum(len(np.load(p, mmap_mode="r")) for p in self.paths)
-        self.load_state_dict({"shard": 0, "offset": 0, "epoch": 0})
-
-    def load_state_dict(self, state):
-        self.shard, self.offset, self.epoch = state["shard"], state["offset"], state["epoch"]
-        self.tokens = np.load(self.paths[self.shard], mmap_mode="r")
-
-    def state_dict(self):  # Lightning saves it in its checkpoints, as it has these two methods
-        return {"shard": self.shard, "offset": self.offset, "epoch": self.epoch}
+class TokenShardLoader(ddp.TokenShardLoader):
+    """The ddp stage's loader, as an iterable Lightning draws microbatches from; its state_dict
+    and load_state_dict put its position into Lightning's checkpoints."""
 
     def __iter__(self):  # Lightning asks for batches with a for loop
         while True:
@@ -186,37 +60,10 @@ class TokenShardLoader:
     def __len__(self):  # microbatches per rank in an epoch; with a length, Lightning does not
         return self.total_tokens // (self.B * self.T * self.world_size)  # read ahead of the step
 
-    def next_batch(self):
-        n = self.B * self.T * self.world_size  # every rank's microbatch, side by side
-        if self.offset + n + 1 > len(self.tokens):  # this shard is used up: on to the next
-            self.shard = (self.shard + 1) % len(self.paths)
-            self.epoch += self.shard == 0
-            self.load_state_dict({"shard": self.shard, "offset": 0, "epoch": self.epoch})
-        chunk = torch.from_numpy(self.tokens[self.offset:self.offset + n + 1].astype(np.int64))
-        self.offset += n
-        x, y = chunk[:-1].view(-1, self.B, self.T), chunk[1:].view(-1, self.B, self.T)
-        return x[self.rank], y[self.rank]  # this rank's share
 
-
-# ----------------------------------------------------------------------------------------------
-# Optimiser and learning-rate schedule
-# ----------------------------------------------------------------------------------------------
 def configure_optimizer(model, lr, weight_decay):
-    # decay the matrices (matmul weights, embeddings), not biases and LayerNorm gains
-    params = [p for p in model.parameters() if p.requires_grad]
-    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     # not fused: Lightning clips the gradients itself, and refuses a fused optimizer on GPUs
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
-
-
-def learning_rate(step, max_lr, warmup_steps, max_steps, min_lr_ratio=0.1):
-    """Linear warm-up to max_lr, then cosine decay to min_lr_ratio x max_lr at max_steps."""
-    if step < warmup_steps:
-        return max_lr * (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    min_lr = min_lr_ratio * max_lr
-    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (max_lr - min_lr)
+    return ddp.configure_optimizer(model, lr, weight_decay, torch.device("cpu"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -247,7 +94,7 @@ class LitGPT(L.LightningModule):
 
     def configure_optimizers(self):
         optimizer = configure_optimizer(self.gpt, self.args.lr, self.args.weight_decay)
-        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate(
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: ddp.learning_rate(
             step, 1.0, self.args.warmup_steps, self.args.max_steps))  # a factor of --lr
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
@@ -263,7 +110,7 @@ class LitGPT(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        _, loss = self.gpt(x, y)
+        loss = cross_entropy(self.gpt(x), y)
         self.loss_sum += loss.detach() / self.grad_accum  # Lightning scales the backward itself
         return loss
 
@@ -292,7 +139,7 @@ class LitGPT(L.LightningModule):
 
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        _, loss = self.gpt(x, y)
+        loss = cross_entropy(self.gpt(x), y)
         self.val_sum += loss / len(self.trainer.val_dataloaders)  # this rank's batches
 
     def on_validation_epoch_end(self):
@@ -309,13 +156,7 @@ class LitGPT(L.LightningModule):
         self.pending = None
         if not self.trainer.is_global_zero:
             return
-        line = (f"step {record['step']}/{self.args.max_steps} | loss {record['loss']:.4f} | "
-                f"lr {record['lr']:.1e} | grad_norm {record['grad_norm']:.2f} | "
-                f"{record['ms']:.1f} ms | {record['tok_per_s']:,.0f} tok/s | "
-                f"mfu {100 * record['mfu']:.1f}%")
-        if "val_loss" in record:
-            line += f" | val {record['val_loss']:.4f}"
-        print(line, flush=True)
+        print(training.step_line(record, self.args.max_steps), flush=True)
         runs.append_metrics(self.run_dir, record)
         self.tracker.log_step(record)
 
@@ -370,43 +211,31 @@ def checkpoint_to_resume(run_dir):
 # Command line
 # ----------------------------------------------------------------------------------------------
 def parse_args(argv=None):
-    parser = ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", choices=list(presets.PRESETS), default=None,
-                        help="model and batch sizes (default: gpt2-124m on a GPU, tiny on a CPU)")
-    parser.add_argument("--data", help="prepared data directory (default: the preset's)")
-    parser.add_argument("--out", help=f"run directory (default: runs/{STAGE}-<preset>)")
-    parser.add_argument("--max-steps", type=positive_int, help="optimiser steps (schedule length)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the run directory's last checkpoint, if it has one")
-    parser.add_argument("--micro-batch", type=positive_int, help="samples per forward pass (B)")
-    parser.add_argument("--seq-len", type=positive_int, help="tokens per sample (T)")
-    parser.add_argument("--batch-tokens", type=positive_int, help="tokens per optimiser step")
-    parser.add_argument("--lr", type=positive_float, help="peak learning rate")
-    parser.add_argument("--weight-decay", type=non_negative_float,
-                        help="AdamW weight decay of the matrices")
-    parser.add_argument("--n-layer", type=positive_int, help="transformer blocks (model depth)")
-    parser.add_argument("--warmup-steps", type=int, help="linear warm-up steps")
-    parser.add_argument("--eval-interval", type=positive_int, help="steps between validations")
-    parser.add_argument("--eval-steps", type=positive_int, help="microbatches per validation")
-    parser.add_argument("--ckpt-interval", type=positive_int, help="steps between checkpoints")
-    parser.add_argument("--seed", type=int, default=1337)
-    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    parser = training.argument_parser(__doc__, STAGE)
     parser.add_argument("--strategy", default="auto", choices=STRATEGIES,
                         help="how Lightning spreads the work (auto: DDP when there are several "
                              "devices)")
     parser.add_argument("--devices", default="auto", type=devices_arg,
                         help="processes per node (default: every GPU, or 1 on a CPU)")
     parser.add_argument("--num-nodes", type=positive_int, default=1, help="nodes (under Slurm)")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
-    parser.add_argument("--sample-tokens", type=int, default=64, help="tokens generated at the end")
-    tracking.add_argument(parser)
-    parser.add_argument("--prompt", default="The", help="start of the generated sample")
-    args = parser.parse_args(argv)
-    try:
-        check_args(args)
-    except KitError as err:
-        parser.error(str(err))
-    return args
+    return training.parse_args(parser, argv, check=check_lightning_args)
+
+
+def devices_arg(text):
+    return text if text == "auto" else positive_int(text)
+
+
+def check_lightning_args(args, preset):
+    if args.device == "xpu":
+        raise KitError("--device xpu: this stage runs on CUDA/ROCm GPUs or the CPU (Lightning's "
+                       "XPU support is a separate package)")
+    if args.strategy.startswith("deepspeed"):
+        check_deepspeed(args)
+    training.batch_split(args, device_count(args) * args.num_nodes)  # refuses what cannot split
+    out = Path(args.out)
+    if checkpoint_to_resume(out) is not None and not args.resume:
+        raise KitError(f"{out} already holds a checkpoint: pass --resume to continue that run, "
+                       "or choose another --out")
 
 
 def check_deepspeed(args):
@@ -417,53 +246,6 @@ def check_deepspeed(args):
                        f"DeepSpeed through solutions/finetune_lora.py's Accelerate configs)")
     if importlib.util.find_spec("deepspeed") is None:
         raise KitError(f"--strategy {args.strategy} needs DeepSpeed: pip install deepspeed")
-
-
-def devices_arg(text):
-    return text if text == "auto" else positive_int(text)
-
-
-def check_args(args):
-    """Fill preset defaults, then refuse combinations that cannot work, saying why."""
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise KitError("--device cuda: no CUDA/ROCm GPU is visible (use --device auto or cpu)")
-    if args.strategy.startswith("deepspeed"):
-        check_deepspeed(args)
-    preset = presets.get_preset(args.preset or presets.default_preset_name(
-        torch.cuda.is_available() and args.device in ("auto", "cuda")))
-    args.preset = preset.name
-    for name in ("data", "max_steps", "micro_batch", "seq_len", "batch_tokens", "lr",
-                 "weight_decay", "n_layer", "eval_interval", "eval_steps", "ckpt_interval"):
-        if getattr(args, name) is None:
-            setattr(args, name, getattr(preset, name))
-    if args.warmup_steps is None:  # a short run warms up for a tenth of its steps at most
-        args.warmup_steps = min(preset.warmup_steps, args.max_steps // 10)
-    args.out = args.out or f"runs/{STAGE}-{preset.name}"
-    if args.seq_len > preset.seq_len:
-        raise KitError(f"--seq-len {args.seq_len} is longer than the {preset.name} model's "
-                       f"context of {preset.seq_len} tokens")
-    if not 0 <= args.warmup_steps <= args.max_steps:
-        raise KitError(f"--warmup-steps {args.warmup_steps} must be between 0 and --max-steps "
-                       f"({args.max_steps})")
-    world_size = device_count(args) * args.num_nodes
-    if args.batch_tokens % (args.micro_batch * args.seq_len * world_size):
-        raise KitError(f"--batch-tokens {args.batch_tokens} is not a multiple of micro-batch x "
-                       f"seq-len x processes = {args.micro_batch} x {args.seq_len} x {world_size}")
-    if not 0 <= args.sample_tokens <= 4096:
-        raise KitError(f"--sample-tokens {args.sample_tokens} must be between 0 and 4096")
-    meta = data.read_meta(args.data)
-    needed = args.micro_batch * args.seq_len + 1
-    for split, info in meta["splits"].items():
-        if info["tokens"] < needed:
-            raise KitError(f"the {split} split of {args.data} has {info['tokens']:,} tokens, "
-                           f"fewer than one microbatch needs ({needed:,}): lower --micro-batch "
-                           f"or --seq-len, or prepare more data")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise KitError(f"--out {out} is a file, not a run directory")
-    if checkpoint_to_resume(out) is not None and not args.resume:
-        raise KitError(f"{out} already holds a checkpoint: pass --resume to continue that run, "
-                       "or choose another --out")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -477,37 +259,21 @@ def main(argv=None):
                        n_layer=args.n_layer, n_head=preset.n_head, n_embd=preset.n_embd)
     B, T = args.micro_batch, args.seq_len
     world_size = device_count(args) * args.num_nodes
-    grad_accum = args.batch_tokens // (B * T * world_size)
+    grad_accum = training.batch_split(args, world_size)
     module = LitGPT(config, args, preset, grad_accum)
     trainer = make_trainer(args, grad_accum)
     device = trainer.strategy.root_device
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 for any matmul left in fp32
-    if device.type == "cpu":
-        perf.keep_freed_cpu_memory()  # reuse freed tensors' pages instead of re-faulting them
+    training.prepare_device(device)  # its settings for speed; Lightning brings its own autocast
 
     n_params = sum(p.numel() for p in module.gpt.parameters())
-    flops_per_token = perf.flops_per_token(config.n_layer, config.n_embd, T, config.vocab_size)
-    peak, peak_source = perf.peak_flops(device)
-    run_config = {
-        "stage": STAGE, "args": vars(args), "preset": preset.as_dict(), "model": asdict(config),
-        "parameters": n_params, "grad_accum": grad_accum, "world_size": trainer.world_size,
-        "flops_per_token": flops_per_token, "peak_flops": peak, "peak_source": peak_source,
-        "device": str(device), "device_name": perf.device_name(device),
-        "precision": trainer.precision, "strategy": type(trainer.strategy).__name__,
-        "torch": torch.__version__, "lightning": L.__version__,
-    }
-    module.run_config = run_config
+    module.run_config = training.run_config(
+        args, preset, config, n_params, device, trainer.precision, grad_accum=grad_accum,
+        world_size=trainer.world_size, strategy=type(trainer.strategy).__name__,
+        lightning=L.__version__)
     if trainer.is_global_zero:
-        print(f"{trainer.world_size} process(es) | {run_config['strategy']} | "
-              f"device {device} ({perf.device_name(device)}) | {trainer.precision} | "
-              f"compile {'on' if args.compile else 'off'} | peak {peak / 1e12:.2f} TFLOP/s "
-              f"({peak_source})")
-        print(f"model {preset.name}: {n_params:,} parameters, {config.n_layer} layers, "
-              f"{config.n_head} heads, {config.n_embd} wide, context {config.block_size}")
-        print(f"sample = {T} tokens | microbatch = {B} samples | grad_accum = {grad_accum} | "
-              f"processes = {trainer.world_size} | minibatch = {args.batch_tokens // T} samples = "
-              f"{args.batch_tokens:,} tokens per step")
+        print(f"{trainer.world_size} process(es) | {module.run_config['strategy']}")
+        train_tokens = TokenShardLoader(args.data, "train", B, T).total_tokens
+        training.print_banner(module.run_config, train_tokens)
 
     runs.make_run_dir(args.out)
     # Lightning restores weights, optimiser, schedule, loop counters and the data position
@@ -516,20 +282,10 @@ def main(argv=None):
         runs.refuse_unless_private(args.out, resume_from)
     trainer.fit(module, ckpt_path=resume_from, weights_only=True)
     if trainer.is_global_zero and args.sample_tokens and module.global_step == args.max_steps:
-        write_sample(module.gpt, Path(args.out), args, module.device)
+        module.gpt.eval()
+        training.write_sample(args.out, args, module.device, module.gpt.generate)
     module.tracker.finish(args.out, checkpoint_to_resume(Path(args.out)))
     return 0
-
-
-def write_sample(model, run_dir, args, device):
-    encoding = data.gpt2_encoding()
-    prompt = torch.tensor([encoding.encode_ordinary(args.prompt)], device=device)
-    generator = torch.Generator(device=device).manual_seed(args.seed)  # leaves the global RNG alone
-    model.eval()
-    tokens = model.generate(prompt, args.sample_tokens, generator=generator)[0].tolist()
-    text = encoding.decode([t for t in tokens if t < data.EOT_TOKEN])
-    (run_dir / "sample.txt").write_text(text + "\n")
-    print(f"sample: {text!r}")
 
 
 if __name__ == "__main__":

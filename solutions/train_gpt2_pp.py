@@ -1,177 +1,38 @@
 """Train a GPT-2 language model with pipeline parallelism (torch.distributed.pipelining): "pp".
 
-Read it top to bottom: the model, the data, the optimiser and its schedule, checkpoints, then the
-training loop. Every later stage (DDP, Lightning, FSDP, ...) is a small diff on this file.
+The model, GPT-2, is solutions/gpt.py: every stage trains it unchanged. Read this file top to
+bottom: the data, the optimiser and its schedule, checkpoints, then the training loop. Every later
+stage (DDP, FSDP, tensor and pipeline parallelism) is a small diff on it.
 
     python -m coursekit data prepare --source builtin --out data/builtin
     torchrun --standalone --nproc-per-node=2 solutions/train_gpt2_pp.py --schedule 1f1b
 
-The N processes are N pipeline stages: each holds a contiguous run of the blocks (the first also
-the embeddings, the last the final norm and the head) and passes activations to the next stage.
-
 The words of the course, as this script uses them:
     sample      one sequence of T tokens; the model predicts each next token
-    microbatch  B samples that go through one forward and backward pass together (memory-bound);
-                here also what one stage hands to the next, M of them in flight per step
+    microbatch  B samples that go through one forward and backward pass together (memory-bound)
     minibatch   all the samples behind one optimiser step, on every device
     step        one optimiser update;   epoch: one pass over the training tokens
     identity    tokens seen = steps x minibatch x T
 """
 import functools
 import math
-import os
-import resource
-import signal
 import sys
 import time
-from contextlib import nullcontext
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.nn as nn
-import torch.nn.functional as F
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.utils.checkpoint import checkpoint
 
-from coursekit import KitError, data, faults, launch, perf, presets, runs, tracking
-from coursekit.cli import ArgumentParser, non_negative_float, positive_float, positive_int
+from coursekit import KitError, distributed, faults, memory, perf, presets, runs, tracking, training
+from solutions.gpt import GPT, GPTConfig, cross_entropy
 
 STAGE = Path(__file__).stem.removeprefix("train_gpt2_")  # names the default run directory
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}  # torch's, by their --schedule names
-
-
-# ----------------------------------------------------------------------------------------------
-# The model: GPT-2 (decoder-only transformer, pre-LayerNorm, learned positions, tied embeddings)
-# ----------------------------------------------------------------------------------------------
-@dataclass
-class GPTConfig:
-    vocab_size: int = presets.PADDED_VOCAB
-    block_size: int = 1024  # longest sequence the position table covers
-    n_layer: int = 12
-    n_head: int = 12
-    n_embd: int = 768
-
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.head_dim = config.n_embd // config.n_head
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)  # q, k, v in one matmul
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
-        self.c_proj.scale_init_by_depth = True
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
-        # (B, T, C) -> (B, heads, T, head_dim); "-1" heads: a tensor-parallel shard works unchanged
-        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        # flash attention where the hardware has it; never materialises the T x T matrix
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
-
-
-class MLP(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's GELU
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
-        self.c_proj.scale_init_by_depth = True
-
-    def forward(self, x):
-        return self.c_proj(self.gelu(self.c_fc(x)))
-
-
-class Block(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(config.n_embd)
-        self.attn = CausalSelfAttention(config)
-        self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.mlp = MLP(config)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))  # residual stream: blocks add to it, never replace it
-        return x + self.mlp(self.ln_2(x))
-
-
-class GPT(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            # keyed by index: a stage deletes the blocks it does not hold, "h.2" stays "h.2"
-            h=nn.ModuleDict({str(i): Block(config) for i in range(config.n_layer)}),
-            ln_f=nn.LayerNorm(config.n_embd),
-        ))
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # weight tying: one matrix in and out
-        self.apply(self._init_weights)
-
-    def _init_weights(self, module):
-        # GPT-2's initialisation; projections into the residual stream are scaled by
-        # 1/sqrt(2 n_layer) so the stream's variance does not grow with depth
-        if isinstance(module, nn.Linear):
-            std = 0.02
-            if getattr(module, "scale_init_by_depth", False):
-                std *= (2 * self.config.n_layer) ** -0.5
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-
-    def forward(self, x):
-        # a stage runs the parts it holds: token ids in on the first stage, logits out of the
-        # last one, the residual stream (B, T, C) in and out everywhere else; the loss is the
-        # schedule's (loss_fn), computed on the last stage
-        if self.transformer.wte is not None:
-            pos = torch.arange(x.shape[1], device=x.device)
-            x = self.transformer.wte(x) + self.transformer.wpe(pos)
-        for block in self.transformer.h.values():
-            x = block(x)
-        if self.lm_head is not None:
-            x = self.lm_head(self.transformer.ln_f(x))
-        return x
-
-    @torch.no_grad()
-    def generate(self, idx, max_new_tokens, temperature=0.8, top_k=50, generator=None):
-        """Continue ``idx`` by sampling from the top_k most likely tokens, one token at a time.
-
-        Every stage runs this: each token's forward pass goes through the stages in turn (one
-        sample, nothing to overlap), and the last stage sends the token it picks to all."""
-        rank, last = dist.get_rank(), dist.get_world_size() - 1
-        for _ in range(max_new_tokens):
-            x = idx[:, -self.config.block_size:]
-            if rank > 0:  # the previous stage's residual stream for these tokens
-                x = torch.empty(*x.shape, self.config.n_embd, device=idx.device)
-                dist.recv(x, src=rank - 1)
-            x = self(x)
-            if rank < last:
-                dist.send(x, dst=rank + 1)
-            next_token = torch.empty_like(idx[:, :1])
-            if rank == last:
-                logits = x[:, -1, :] / temperature
-                top_values, _ = torch.topk(logits, top_k)
-                logits[logits < top_values[:, [-1]]] = -float("inf")
-                probs = F.softmax(logits, dim=-1)
-                next_token = torch.multinomial(probs, 1, generator=generator)
-            dist.broadcast(next_token, src=last)
-            idx = torch.cat([idx, next_token], dim=1)
-        return idx
-
-
-def cross_entropy(logits, targets):
-    """The pipeline's loss_fn, on the last stage: one microbatch's mean loss per token."""
-    return F.cross_entropy(logits.view(-1, logits.size(-1)).float(), targets.view(-1))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -232,78 +93,25 @@ def learning_rate(step, max_lr, warmup_steps, max_steps, min_lr_ratio=0.1):
 
 
 # ----------------------------------------------------------------------------------------------
-# Device, precision, evaluation, checkpoints
+# One step's forward and backward, evaluation, checkpoints
 # ----------------------------------------------------------------------------------------------
-def init_distributed():
-    """Where this process is, as torchrun or Slurm's `srun python` says."""
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
-    world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
-    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
-    sys.stdout = open(os.devnull, "w") if rank else sys.stdout  # one log: rank 0's
-    # gloo for CPU tensors, and NCCL for GPU tensors where there are GPUs ("gloo" alone, not
-    # "cpu:gloo", on CPU: torch 2.13 warns at exit about FSDP's groups otherwise)
-    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
-    if world_size > 1:
-        faults.init_process_group(backend, rank, world_size)  # at MASTER_ADDR:PORT
-    else:  # a group of one, in memory: a one-stage pipeline and its checkpoints work the same way
-        dist.init_process_group(backend, rank=0, world_size=1, store=dist.HashStore())
-    print(f"{world_size} processes, backends {dist.get_backend_config()}")
-    return rank, world_size, local_rank
-
-
-def all_reduce_mean(tensor):
-    if dist.is_initialized():  # gloo has no AVG: divide by the world size, then sum
-        dist.all_reduce(tensor.div_(dist.get_world_size()), op=dist.ReduceOp.SUM)
-    return tensor
-
-
-def pick_device(requested, local_rank):
-    if requested != "auto":
-        return torch.device(requested)
-    if torch.cuda.is_available():  # NVIDIA, and AMD GPUs through ROCm's cuda API
-        if local_rank >= torch.cuda.device_count():
-            raise KitError(f"local rank {local_rank} has no GPU: fewer processes, or --device cpu")
-        torch.cuda.set_device(local_rank)  # one device per process
-        return torch.device("cuda", local_rank)
-    if hasattr(torch, "xpu") and torch.xpu.is_available():
-        return torch.device("xpu")
-    return torch.device("cpu")
-
-
-def autocast_for(device):
-    """bf16 autocast on GPUs that have it (matmuls in bf16, weights and optimiser in fp32)."""
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.autocast(device_type="cuda", dtype=torch.bfloat16), "bf16 autocast"
-    return nullcontext(), "fp32"
-
-
 def apply_activation_checkpointing(model):
     """Keep only each block's input in forward; recompute its activations during backward."""
-    for block in model.transformer.h.values():  # this stage's blocks
+    for block in model.transformer.h.values():
         block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
 
 
 def stage_blocks(n_layer, stage, n_stages):
-    """The contiguous run of blocks that pipeline stage ``stage`` holds, split as evenly as
-    possible; earlier stages take the extra ones, as the last also runs the output head (in a
-    small GPT it costs more than all the blocks together: vocab x width multiply-adds a token)."""
+    """The blocks pipeline stage ``stage`` holds: as even a split as can be, the extra ones on the
+    earlier stages, as the last also runs the output head (in a small GPT, more than the blocks)."""
     base, extra = divmod(n_layer, n_stages)  # the first `extra` stages hold base + 1 blocks
     start = stage * base + min(stage, extra)
     return range(start, start + base + (stage < extra))
 
 
-def describe_stage(n_layer, stage, n_stages):
-    blocks = stage_blocks(n_layer, stage, n_stages)
-    parts = [f"blocks {blocks[0]}-{blocks[-1]}" if len(blocks) > 1 else f"block {blocks[0]}"]
-    parts += ["embeddings"] if stage == 0 else []
-    parts += ["final norm + head"] if stage == n_stages - 1 else []
-    return f"rank {stage} holds " + " + ".join(parts)
-
-
 def keep_stage(model, stage, n_stages):
-    """Delete the parts of the whole model that this stage does not hold, as PyTorch's reference
-    trainer (torchtitan) does: every rank built the same model from the same seed, so a stage's
-    weights are the whole model's, and what remains keeps its name (checkpoints stay readable)."""
+    """Delete what this stage does not hold, as torchtitan does: every rank built the whole model
+    from the same seed, and what remains keeps its name (checkpoints stay readable)."""
     kept = stage_blocks(model.config.n_layer, stage, n_stages)
     for index in list(model.transformer.h):
         if int(index) not in kept:
@@ -315,25 +123,17 @@ def keep_stage(model, stage, n_stages):
     return model
 
 
-def tied_weight_group(world_size):
-    """Weight tying across stages, Megatron-LM's way: the first stage's embedding and the last
-    stage's head are two copies of one matrix, equal at the start (same seed); summing their
-    gradients gives both copies the tied gradient, so they stay equal. One stage: one Parameter."""
-    return dist.new_group([0, world_size - 1]) if world_size > 1 else None
-
-
 def all_reduce_tied_gradient(model, group):
-    if group is None:
-        return
+    """Weight tying across stages, Megatron-LM's way: the first stage's embedding and the last
+    stage's head are copies of one matrix; summing their gradients keeps them equal."""
     for module in (model.transformer.wte, model.lm_head):  # ranks 0 and N-1 hold one each
-        if module is not None:
+        if module is not None and group is not None:
             dist.all_reduce(module.weight.grad, group=group)
 
 
 def clip_grad_norm(model, max_norm):
-    """Clip by the global norm over every stage's gradients (each rank holds only its stage's):
-    sum the squared norms over ranks, counting the tied matrix once (the last stage leaves its
-    copy out; with one stage named_parameters lists it once, as transformer.wte.weight)."""
+    """Clip by the norm over every stage's gradients: the sum of each stage's squared norm, the
+    tied matrix counted once (the last stage's copy left out; one stage lists it as wte)."""
     grads = [p.grad for name, p in model.named_parameters() if name != "lm_head.weight"]
     squared = torch.nn.utils.get_total_norm(grads) ** 2
     dist.all_reduce(squared)
@@ -343,64 +143,43 @@ def clip_grad_norm(model, max_norm):
 
 
 def run_pipeline(run, stage, x, y, autocast, **kwargs):
-    """One minibatch through the pipeline with the schedule's step (train) or eval (forward only):
-    the schedule cuts it into M microbatches and runs them in its order. The first stage feeds the
-    inputs, the last one the targets; returns the last stage's M microbatch losses (none
-    elsewhere)."""
+    """A minibatch through the schedule's step (train) or eval, cut into its M microbatches: the
+    first stage feeds the inputs, the last the targets. Returns N x the mean loss on the last of
+    the N stages, 0 on the others: averaged over the ranks (all_reduce_mean), the loss."""
     losses = []
     with autocast:
         run(*([x] if stage.is_first else []), target=y if stage.is_last else None,
             losses=losses, **kwargs)
-    return losses
-
-
-def last_stage_mean(losses, device):
-    """The mean of the last stage's losses, sent to every rank (rank 0 prints it)."""
-    mean = torch.stack(losses).detach().mean() if losses else torch.zeros((), device=device)
-    dist.broadcast(mean, src=dist.get_world_size() - 1)
-    return mean
+    if not losses:
+        return torch.zeros((), device=x.device)
+    return torch.stack(losses).detach().mean() * dist.get_world_size()
 
 
 @torch.no_grad()
-def evaluate(model, schedule, stage, val_loader, passes, device, autocast):
+def evaluate(model, schedule, stage, val_loader, eval_steps, device, autocast):
     model.eval()
     val_loader.load_state_dict({"shard": 0, "offset": 0, "epoch": 0})  # same batches every time
-    losses = []
-    for _ in range(passes):
+    total = 0.0
+    for _ in range(eval_steps):
         x, y = val_loader.next_batch()
-        losses += run_pipeline(schedule.eval, stage, x.to(device), y.to(device), autocast)
+        total += run_pipeline(schedule.eval, stage, x.to(device), y.to(device), autocast)
     model.train()
-    return last_stage_mean(losses, device).item()
+    return distributed.all_reduce_mean(total / eval_steps).item()
 
 
-def rng_state(device):
-    state = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
-
-
-def set_rng_state(state, device):
-    torch.set_rng_state(state["cpu"])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
-
-
-# optimiser state keyed by parameter name: each stage's names differ, where the default's
-# positional ids (and param_groups) would collide between stages in one checkpoint
+# optimiser state under the parameters' names (as torchtitan keeps it), not positional ids
 STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def training_state(model, optimizer, train_loader, device):
-    """What a checkpoint holds. The model and optimiser entries are this rank's stage."""
+    """What a checkpoint holds. The model and optimiser entries are this rank's part of them."""
     model_state, optimizer_state = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
     return {"model": model_state, "optimizer": optimizer_state,
-            "train_loader": train_loader.state_dict(), "rng": rng_state(device)}
+            "train_loader": train_loader.state_dict(), "rng": training.rng_state(device)}
 
 
 def save_checkpoint(run_dir, step, model, optimizer, train_loader, device):
-    """Every rank writes its own stage in parallel (torch.distributed.checkpoint); rank 0
-    publishes the checkpoint once the last stage is on disk."""
+    """Every rank writes its part in parallel (torch.distributed.checkpoint); rank 0 publishes."""
     state = training_state(model, optimizer, train_loader, device)
     with runs.room_for_checkpoint(run_dir, step, runs.state_bytes(state)):
         dcp.save(state, checkpoint_id=runs.unpublished_checkpoint(run_dir, step))
@@ -410,8 +189,7 @@ def save_checkpoint(run_dir, step, model, optimizer, train_loader, device):
 
 
 def resume(run_dir, model, optimizer, train_loader, device):
-    """Restore the newest checkpoint, if any; return the number of steps already done. Each
-    rank reads its stage's parameters by name: resume with the same number of stages."""
+    """Restore the newest intact checkpoint, if any; return the number of steps already done."""
     path = runs.checkpoint_to_resume(run_dir)
     if path is None:
         print(f"no checkpoint in {run_dir}: starting from step 0")
@@ -421,232 +199,76 @@ def resume(run_dir, model, optimizer, train_loader, device):
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"], options=STATE_DICT_OPTIONS)
     train_loader.load_state_dict(state["train_loader"])
-    set_rng_state(state["rng"], device)
+    training.set_rng_state(state["rng"], device)
     step = runs.checkpoint_step(path)
     print(f"resumed from {path} at step {step}")
     return step
 
 
-def local_bytes(tensors):
-    return sum(t.nbytes for t in tensors)  # whole tensors: a stage holds its parameters whole
-
-
-MEMORY_PARTS = ("params", "grads", "optimizer", "peak")  # bytes
-
-
-def memory_report(model, optimizer, device):
-    """Bytes this rank holds in its stage's parameters, gradients and optimiser state,
-    and its peak memory: the CUDA allocator's on a GPU, the resident set size on a CPU."""
-    params = list(model.parameters())
-    state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    if device.type == "cuda":
-        peak, peak_kind = torch.cuda.max_memory_allocated(device), "CUDA allocated"
-    else:
-        peak, peak_kind = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "RSS"
-    return {"params": local_bytes(params),
-            "grads": local_bytes(p.grad for p in params if p.grad is not None),
-            "optimizer": local_bytes(state), "peak": peak, "peak_kind": peak_kind}
-
-
-def report_memory(run_dir, model, optimizer, device):
-    """Every rank's memory report, printed and written to memory.json by rank 0."""
-    mine = memory_report(model, optimizer, device)
-    every_rank = launch.numbers_of_every_rank([mine[part] for part in MEMORY_PARTS], device)
-    reports = [{**dict(zip(MEMORY_PARTS, numbers)), "peak_kind": mine["peak_kind"]}
-               for numbers in every_rank]  # every rank has the same kind of device
-    for rank, r in enumerate(reports):
-        print(f"rank {rank} | params {r['params'] / 2**20:.2f} MiB | grads "
-              f"{r['grads'] / 2**20:.2f} MiB | optimizer {r['optimizer'] / 2**20:.2f} MiB | "
-              f"peak {r['peak'] / 2**20:.1f} MiB ({r['peak_kind']})")
-    if dist.get_rank() == 0:
-        runs.write_json_atomic(run_dir / "memory.json", reports)
-
-
-class StopSignal:
-    """Slurm sends SIGUSR1 (with --signal) or SIGTERM before it stops a job: finish the step,
-    checkpoint, exit 0, and let the requeued job resume."""
-
-    def __init__(self):
-        self.received = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self.handle)
-
-    def handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
-
-
 # ----------------------------------------------------------------------------------------------
-# Command line
+# Command line and training
 # ----------------------------------------------------------------------------------------------
 def parse_args(argv=None):
-    parser = ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--preset", choices=list(presets.PRESETS), default=None,
-                        help="model and batch sizes (default: gpt2-124m on a GPU, tiny on a CPU)")
-    parser.add_argument("--data", help="prepared data directory (default: the preset's)")
-    parser.add_argument("--out", help=f"run directory (default: runs/{STAGE}-<preset>)")
-    parser.add_argument("--max-steps", type=positive_int, help="optimiser steps (schedule length)")
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the run directory's newest checkpoint, if it has one")
-    parser.add_argument("--micro-batch", type=positive_int, help="samples per forward pass (B)")
-    parser.add_argument("--microbatches", type=positive_int,  # sets B: give it or --micro-batch
-                        help="microbatches per step, M (default: batch-tokens / (B x seq-len))")
-    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",
-                        help="order of the microbatches' forward and backward passes")
-    parser.add_argument("--seq-len", type=positive_int, help="tokens per sample (T)")
-    parser.add_argument("--batch-tokens", type=positive_int, help="tokens per optimiser step")
-    parser.add_argument("--lr", type=positive_float, help="peak learning rate")
-    parser.add_argument("--weight-decay", type=non_negative_float,
-                        help="AdamW weight decay of the matrices")
-    parser.add_argument("--n-layer", type=positive_int, help="transformer blocks (model depth)")
-    parser.add_argument("--warmup-steps", type=int, help="linear warm-up steps")
-    parser.add_argument("--eval-interval", type=positive_int, help="steps between validations")
-    parser.add_argument("--eval-steps", type=positive_int, help="microbatches per validation")
-    parser.add_argument("--ckpt-interval", type=positive_int, help="steps between checkpoints")
-    parser.add_argument("--seed", type=int, default=1337)
-    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "xpu", "cpu"])
-    parser.add_argument("--compile", action="store_true", help="torch.compile each block")
+    parser = training.argument_parser(__doc__, STAGE)
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="recompute each block's activations in backward: less memory, more time")
-    # no --cpu-offload: FSDP's option; a pipeline stage holds its parameters whole, on its device
-    parser.add_argument("--sample-tokens", type=int, default=64, help="tokens generated at the end")
-    tracking.add_argument(parser)
-    parser.add_argument("--prompt", default="The", help="start of the generated sample")
-    args = parser.parse_args(argv)
-    try:
-        check_args(args)
-    except KitError as err:
-        parser.error(str(err))
-    return args
+    parser.add_argument("--schedule", choices=list(SCHEDULES), default="1f1b",
+                        help="order of the microbatches' forward and backward passes")
+    return training.parse_args(parser, argv)
 
 
-def check_args(args):
-    """Fill preset defaults, then refuse combinations that cannot work, saying why."""
-    if args.device == "cuda" and not torch.cuda.is_available():
-        raise KitError("--device cuda: no CUDA/ROCm GPU is visible (use --device auto or cpu)")
-    if args.micro_batch and args.microbatches:  # both would set the microbatch size
-        raise KitError("--micro-batch and --microbatches both set the microbatch size: give one")
-    preset = presets.get_preset(args.preset or presets.default_preset_name(
-        torch.cuda.is_available() and args.device in ("auto", "cuda")))
-    args.preset = preset.name
-    for name in ("data", "max_steps", "micro_batch", "seq_len", "batch_tokens", "lr",
-                 "weight_decay", "n_layer", "eval_interval", "eval_steps", "ckpt_interval"):
-        if getattr(args, name) is None:
-            setattr(args, name, getattr(preset, name))
-    if args.warmup_steps is None:  # a short run warms up for a tenth of its steps at most
-        args.warmup_steps = min(preset.warmup_steps, args.max_steps // 10)
-    args.out = args.out or f"runs/{STAGE}-{preset.name}"
-    if args.seq_len > preset.seq_len:
-        raise KitError(f"--seq-len {args.seq_len} is longer than the {preset.name} model's "
-                       f"context of {preset.seq_len} tokens")
-    if not 0 <= args.warmup_steps <= args.max_steps:
-        raise KitError(f"--warmup-steps {args.warmup_steps} must be between 0 and --max-steps "
-                       f"({args.max_steps})")
-    if args.microbatches:  # M microbatches of B samples make the minibatch: M decides B
-        samples = args.batch_tokens // args.seq_len
-        if args.batch_tokens % args.seq_len or samples % args.microbatches:
-            raise KitError(f"--microbatches {args.microbatches} does not divide the minibatch: "
-                           f"{args.batch_tokens:,} tokens / {args.seq_len}-token samples = "
-                           f"{args.batch_tokens / args.seq_len:g} samples")
-        args.micro_batch = samples // args.microbatches
-    if args.batch_tokens % (args.micro_batch * args.seq_len):
-        raise KitError(f"--batch-tokens {args.batch_tokens} is not a multiple of micro-batch x "
-                       f"seq-len = {args.micro_batch} x {args.seq_len} = "
-                       f"{args.micro_batch * args.seq_len}")
-    args.microbatches = args.batch_tokens // (args.micro_batch * args.seq_len)  # was grad_accum
-    if not 0 <= args.sample_tokens <= 4096:
-        raise KitError(f"--sample-tokens {args.sample_tokens} must be between 0 and 4096")
-    meta = data.read_meta(args.data)
-    needed = args.batch_tokens + 1  # the loaders read whole minibatches: the schedule cuts them
-    for split, info in meta["splits"].items():
-        if info["tokens"] < needed:
-            raise KitError(f"the {split} split of {args.data} has {info['tokens']:,} tokens, "
-                           f"fewer than one minibatch needs ({needed:,}): lower --batch-tokens "
-                           f"or --seq-len, or prepare more data")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise KitError(f"--out {out} is a file, not a run directory")
-    if runs.latest_checkpoint(out) is not None and not args.resume:
-        raise KitError(f"{out} already holds a checkpoint: pass --resume to continue that run, "
-                       "or choose another --out")
-
-
-# ----------------------------------------------------------------------------------------------
-# Training
-# ----------------------------------------------------------------------------------------------
 def main(argv=None):
     args = parse_args(argv)
-    rank, world_size, local_rank = init_distributed()
     torch.manual_seed(args.seed)
-    device = pick_device(args.device, local_rank)
-    if device.type == "cuda":
-        torch.set_float32_matmul_precision("high")  # TF32 for any matmul left in fp32
-    if device.type == "cpu":
-        perf.keep_freed_cpu_memory()  # reuse freed tensors' pages instead of re-faulting them
-    autocast, precision = autocast_for(device)
+    # this process's rank, the number of processes and its device: its GPU, or the CPU
+    rank, world_size, device = distributed.setup(args.device)
+    autocast, precision = training.prepare_device(device)
 
     preset = presets.get_preset(args.preset)
     config = GPTConfig(vocab_size=preset.vocab_size, block_size=preset.seq_len,
                        n_layer=args.n_layer, n_head=preset.n_head, n_embd=preset.n_embd)
     if world_size > config.n_layer:  # every stage needs at least one block
-        raise KitError(f"{world_size} processes for a {config.n_layer}-block model: a pipeline "
-                       f"has at most one stage per block, so use 1 to {config.n_layer} processes")
-    if args.schedule == "1f1b" and args.microbatches < world_size:  # torch's Schedule1F1B refuses
-        raise KitError(f"--schedule 1f1b needs at least one microbatch per stage: --microbatches "
-                       f"{args.microbatches} < {world_size} stages (raise it, or --schedule gpipe)")
+        raise KitError(f"{world_size} processes for a {config.n_layer}-block model: a pipeline has "
+                       f"one stage per process and at least a block per stage")
+    B, T = args.micro_batch, args.seq_len
+    M = args.batch_tokens // (B * T)  # microbatches: what grad_accum was in the fsdp stage
+    if args.schedule == "1f1b" and M < world_size:  # torch's Schedule1F1B refuses
+        raise KitError(f"--schedule 1f1b needs a microbatch per stage: {M} microbatches < "
+                       f"{world_size} stages (lower --micro-batch, or --schedule gpipe)")
     model = GPT(config).to(device)  # the whole model on every rank, from the same seed
     n_params = sum(p.numel() for p in model.parameters())  # the whole model's, before the split
     keep_stage(model, rank, world_size)
     if args.activation_checkpointing:
         apply_activation_checkpointing(model)
-    if args.compile:  # block by block, as in the fsdp stage
+    if args.compile:  # block by block, so FSDP's gathers stay between compiled regions
         for block in model.transformer.h.values():
             block.compile()
     stage = PipelineStage(model, rank, world_size, device)  # stage `rank`: sends to rank + 1
     # scale_grads: loss_fn is each microbatch's mean, so the schedule divides the summed gradients
     # by M to give those of the minibatch's mean loss (what grad_accum did in the fsdp stage)
-    schedule = SCHEDULES[args.schedule](stage, args.microbatches, loss_fn=cross_entropy,
-                                        scale_grads=True)
-    tied_group = tied_weight_group(world_size)
+    schedule = SCHEDULES[args.schedule](stage, M, loss_fn=cross_entropy, scale_grads=True)
+    tied_group = dist.new_group([0, world_size - 1]) if world_size > 1 else None  # wte, lm_head
 
-    B, T, M = args.micro_batch, args.seq_len, args.microbatches
     # every stage reads the same whole minibatch (the first uses its inputs, the last its targets)
     train_loader = TokenShardLoader(args.data, "train", M * B, T)
     val_loader = TokenShardLoader(args.data, "val", M * B, T)
     val_passes = math.ceil(args.eval_steps / M)  # whole pipeline passes of M microbatches
     optimizer = configure_optimizer(model, args.lr, args.weight_decay, device)
 
-    flops_per_token = perf.flops_per_token(config.n_layer, config.n_embd, T, config.vocab_size)
-    peak, peak_source = perf.peak_flops(device)
-    print(f"device {device} ({perf.device_name(device)}) | {precision} | "
-          f"compile {'on' if args.compile else 'off'} | peak {peak / 1e12:.2f} TFLOP/s "
-          f"({peak_source})")
-    print(f"model {preset.name}: {n_params:,} parameters, {config.n_layer} layers, "
-          f"{config.n_head} heads, {config.n_embd} wide, context {config.block_size}")
+    run_config = training.run_config(args, preset, config, n_params, device, precision,
+                                     microbatches=M, world_size=world_size)
+    blocks = [list(stage_blocks(config.n_layer, r, world_size)) for r in range(world_size)]
     print(f"pipeline: {world_size} stages, schedule {args.schedule}, {M} microbatches of {B} "
-          f"samples; " + "; ".join(describe_stage(config.n_layer, r, world_size)
-                                   for r in range(world_size)))
-    print(f"sample = {T} tokens | microbatch = {B} samples | microbatches = {M} | "
-          f"minibatch = {args.batch_tokens // T} samples = {args.batch_tokens:,} tokens per step")
-    print(f"{args.max_steps:,} steps x {args.batch_tokens:,} tokens = "
-          f"{args.max_steps * args.batch_tokens:,} tokens = "
-          f"{args.max_steps * args.batch_tokens / train_loader.total_tokens:.2f} epochs of "
-          f"{train_loader.total_tokens:,} training tokens")
-
+          f"samples; the blocks of each stage: {blocks}")
+    training.print_banner(run_config, train_loader.total_tokens)
     run_dir = Path(args.out)
     runs.make_run_dir(run_dir)
     start_step = resume(run_dir, model, optimizer, train_loader, device) if args.resume else 0
-    run_config = {
-        "stage": STAGE, "args": vars(args), "preset": preset.as_dict(), "model": asdict(config),
-        "parameters": n_params, "microbatches": M, "world_size": world_size,
-        "flops_per_token": flops_per_token, "peak_flops": peak, "peak_source": peak_source,
-        "device": str(device), "device_name": perf.device_name(device), "precision": precision,
-        "torch": torch.__version__,
-    }
     if rank == 0:
         runs.start_run(run_dir, run_config, start_step)
     tracker = tracking.start(args.track, run_dir, resumed=start_step > 0)
 
-    stop, done = StopSignal(), start_step
+    stop, done = training.StopSignal(), start_step
     for step in range(start_step, args.max_steps):
         t0 = time.perf_counter()
         lr = learning_rate(step, args.lr, args.warmup_steps, args.max_steps)
@@ -654,35 +276,31 @@ def main(argv=None):
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         x, y = [t.to(device) for t in train_loader.next_batch()]
-        # the outputs are the last stage's logits: not needed, the losses are
-        losses = run_pipeline(schedule.step, stage, x, y, autocast, return_outputs=False)
+        loss_sum = run_pipeline(schedule.step, stage, x, y, autocast, return_outputs=False)
         all_reduce_tied_gradient(model, tied_group)
         grad_norm = clip_grad_norm(model, preset.grad_clip)
         optimizer.step()
-        # the minibatch's loss, from the last stage; rank 0's clock waits for it too
-        loss_value = last_stage_mean(losses, device).item()
+        # the minibatch's mean loss over every rank, and whether any rank was told to stop (Slurm
+        # signals each task at its own moment): one all-reduce; .item() waits for it too
+        totals = distributed.all_reduce_mean(torch.stack([loss_sum, stop.flag(device)]))
+        loss_value, stopping = totals.tolist()
         dt = time.perf_counter() - t0
 
         done = step + 1
         tokens_per_s = args.batch_tokens / dt
         record = {"step": done, "loss": loss_value, "lr": lr, "grad_norm": grad_norm.item(),
                   "ms": dt * 1000, "tok_per_s": tokens_per_s,
-                  "mfu": perf.mfu(tokens_per_s / world_size, flops_per_token, peak),
+                  "mfu": perf.mfu(tokens_per_s / world_size, run_config["flops_per_token"],
+                                  run_config["peak_flops"]),
                   "epoch": train_loader.epoch + train_loader.offset / train_loader.total_tokens}
-        line = (f"step {done}/{args.max_steps} | loss {loss_value:.4f} | lr {lr:.1e} | "
-                f"grad_norm {record['grad_norm']:.2f} | {record['ms']:.1f} ms | "
-                f"{tokens_per_s:,.0f} tok/s | mfu {100 * record['mfu']:.1f}%")
         if done % args.eval_interval == 0 or done == args.max_steps:
             record["val_loss"] = evaluate(model, schedule, stage, val_loader, val_passes, device,
                                           autocast)
-            line += f" | val {record['val_loss']:.4f}"
-        print(line, flush=True)
+        print(training.step_line(record, args.max_steps), flush=True)
         if rank == 0:
             runs.append_metrics(run_dir, record)
         tracker.log_step(record)
 
-        # Slurm signals each task at its own moment: stop together once any rank has been told
-        stopping = all_reduce_mean(torch.tensor(float(stop.received is not None))).item() > 0
         if done % args.ckpt_interval == 0 or done == args.max_steps or stopping:  # every rank
             save_checkpoint(run_dir, done, model, optimizer, train_loader, device)
         if stopping and done < args.max_steps:
@@ -690,25 +308,15 @@ def main(argv=None):
                   "rerun with --resume to continue", flush=True)
             break
 
-    report_memory(run_dir, model, optimizer, device)
+    memory.report(run_dir, model, optimizer, device)
     if args.sample_tokens and done == args.max_steps:  # every rank: each holds a stage
-        write_sample(model, run_dir, args, device, rank)
-    dist.barrier()  # every rank's checkpoint shards and memory report are written
+        model.eval()
+        generate = functools.partial(model.generate, last_logits=training.pipelined_last_logits(
+            model, device))
+        training.write_sample(run_dir, args, device, generate, write=rank == 0)
     tracker.finish(run_dir, runs.latest_checkpoint(run_dir))
-    dist.destroy_process_group()
+    distributed.finish()
     return 0
-
-
-def write_sample(model, run_dir, args, device, rank):
-    encoding = data.gpt2_encoding()
-    prompt = torch.tensor([encoding.encode_ordinary(args.prompt)], device=device)
-    generator = torch.Generator(device=device).manual_seed(args.seed)  # leaves the global RNG alone
-    model.eval()
-    tokens = model.generate(prompt, args.sample_tokens, generator=generator)[0].tolist()
-    text = encoding.decode([t for t in tokens if t < data.EOT_TOKEN])
-    if rank == 0:
-        (run_dir / "sample.txt").write_text(text + "\n")
-        print(f"sample: {text!r}")
 
 
 if __name__ == "__main__":

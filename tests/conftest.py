@@ -375,10 +375,10 @@ def torchrun(nproc, script, *args, check=True, restarts=0, env=None):
     return result
 
 
-def expected_backends():
-    """What a ddp/fsdp/tp process group reports here: NCCL joins gloo where torch sees a GPU."""
+def expected_backend():
+    """What a ddp/fsdp/tp process group uses here: NCCL beside gloo where torch sees a GPU."""
     import torch
-    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "cpu:gloo"
+    return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
 
 @pytest.fixture(scope="session")

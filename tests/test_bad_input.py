@@ -9,7 +9,7 @@ import hashlib
 
 import pytest
 
-from coursekit import KitError, cli, faults, stages
+from coursekit import KitError, cli, distributed, faults, stages
 
 SHARED = [(["--micro-batch", "0"], "argument --micro-batch: expected a positive integer, got 0"),
           (["--device", "tpu"], "argument --device: invalid choice: 'tpu' (choose from 'auto', "
@@ -94,5 +94,5 @@ def test_a_taken_port_is_one_line_before_mlflow_starts():
 @pytest.mark.parametrize("value", ["soon", "0", "-5"])
 def test_a_bad_collective_timeout_is_one_line(value, monkeypatch):
     monkeypatch.setenv("KIT_DIST_TIMEOUT", value)
-    assert faults.run(faults.dist_timeout) == \
+    assert faults.run(distributed.dist_timeout) == \
         f"error: KIT_DIST_TIMEOUT={value!r}: expected a number of seconds > 0"

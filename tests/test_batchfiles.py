@@ -81,8 +81,8 @@ def test_model_parallel_stages_get_their_split_and_only_shapes_they_can_run():
     # ci 2n2g: tp 2 inside each node, so 2 replicas: the preset's micro-batch of 4 still splits
     assert "--tp 2 --max-steps" in slurm.training_job("tp", slurm.Topology(2, 2), ci)
     # 4 stages need 4 microbatches: the 8 samples of a step go 2 at a time
-    assert "--microbatches 4 --max-steps" in slurm.training_job("pp", slurm.Topology(2, 2), ci)
-    assert "--microbatches" not in slurm.training_job("pp", slurm.Topology(1, 2), ci)
+    assert "--micro-batch 2 --max-steps" in slurm.training_job("pp", slurm.Topology(2, 2), ci)
+    assert "--micro-batch" not in slurm.training_job("pp", slurm.Topology(1, 2), ci)
 
 
 def test_the_srun_launcher_starts_one_bound_task_per_gpu():

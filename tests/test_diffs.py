@@ -29,14 +29,29 @@ def test_committed_patches_are_current_and_apply_byte_for_byte():
     assert diffs.check() == []
 
 
-def test_std_to_ddp_stays_within_80_changed_lines():
-    added, removed = diffs.counts(diffs.patch_path(diffs.step_for_lesson(LESSON)).read_text())
-    assert added + removed <= 80
+#: The most changed lines each diff may have: a lesson's concept and nothing else
+BUDGETS = {"std-ddp": 80, "ddp-fsdp": 100, "fsdp-tp": 80, "fsdp-pp": 150}
+
+
+@pytest.mark.parametrize("name, budget", BUDGETS.items())
+def test_each_diff_of_the_ladder_stays_within_its_budget(name, budget):
+    step = next(s for s in diffs.LADDER if s.name == name)
+    added, removed = diffs.counts(diffs.patch_path(step).read_text())
+    assert added + removed <= budget
+
+
+def test_the_model_is_defined_once_and_no_stage_copies_it():
+    """solutions/gpt.py holds the GPT; the stages import it and apply their parallelism to it."""
+    definitions = {path.name: path.read_text().count("class CausalSelfAttention")
+                   for path in (KIT_ROOT / "solutions").glob("*.py")}
+    assert {name: n for name, n in definitions.items() if n} == {"gpt.py": 1}
+    for stage in ("std", "ddp", "fsdp", "tp", "pp", "lit"):
+        assert "from solutions.gpt import GPT, GPTConfig" in stages.script_path(stage).read_text()
 
 
 def test_check_notices_a_stale_patch(course):
     ddp = course / "solutions" / "train_gpt2_ddp.py"
-    ddp.write_text(ddp.read_text().replace("gloo has no AVG: divide", "gloo lacks AVG: divide"))
+    ddp.write_text(ddp.read_text().replace("DDP averages gradients", "DDP means gradients"))
     problems = [p for p in diffs.check(course) if "std-ddp.patch" in p]
     assert len(problems) == 2  # differs from a fresh diff, and no longer produces the target
     assert "std-ddp.patch differs from the diff of its stage scripts" in problems[0]
@@ -46,8 +61,8 @@ def test_check_notices_a_stale_patch(course):
 
 
 def test_check_notices_a_hand_edited_patch(course):
-    patch = course / "diffs" / "ddp-lit.patch"
-    patch.write_text(patch.read_text().replace("+import lightning as L", "+import lightning as pl", 1))
+    patch = course / "diffs" / "ddp-fsdp.patch"
+    patch.write_text(patch.read_text().replace("+import functools", "+import itertools", 1))
     assert len(diffs.check(course)) == 2
 
 
@@ -91,10 +106,11 @@ def test_a_finished_copy_with_trailing_spaces_counts_as_applied(course):
 def test_a_wrongly_applied_hunk_is_conflicting_with_the_lines_that_differ(course):
     path = diffs.start_working_copy(LESSON, root=course)
     hunks = diffs.status(LESSON, root=course)
-    number = next(s.hunk.number for s in hunks if "def init_distributed():" in s.hunk.new)
+    number = next(s.hunk.number for s in hunks
+                  if any("distributed.setup(args.device)" in line for line in s.hunk.new))
     diffs.apply_hunk(LESSON, number, root=course)
-    right = '    world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))'
-    wrong = '    world_size = int(os.environ.get("SLURM_NTASKS", 1))'
+    right = "    rank, world_size, device = distributed.setup(args.device)"
+    wrong = "    rank, world_size, device = distributed.setup()"
     path.write_text(path.read_text().replace(right, wrong))
     result = {s.hunk.number: s for s in diffs.status(LESSON, root=course)}
     assert result[number].state == "conflicting"
@@ -124,7 +140,7 @@ def test_status_from_the_command_line(tmp_path):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["status"], "error: diffs status needs --lesson (one of 02-ddp, 03-lightning, 04-model-parallelism)"),
+    (["status"], "error: diffs status needs --lesson (one of 02-ddp, 04-model-parallelism)"),
     (["status", "--lesson", "09-nothing"], "error: no diff belongs to lesson '09-nothing'"),
     (["apply", "--lesson", "02-ddp"], "error: diffs apply needs --hunk N"),
     (["status", "--lesson", "02-ddp", "--file", "/nonexistent/train_gpt2.py"],
@@ -135,3 +151,21 @@ def test_bad_requests_get_one_line(args, message):
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.startswith(message) and result.stderr.count("\n") == 1
+
+
+def test_a_lessons_second_diff_has_its_own_working_copy(course):
+    """Lesson 04 has three diffs from two stages: --stage tp starts train_gpt2_tp.py from fsdp."""
+    (course / "notebooks" / "04-model-parallelism").mkdir(parents=True)
+    lesson = "04-model-parallelism"
+    first = diffs.start_working_copy(lesson, root=course)
+    tp = diffs.start_working_copy(lesson, root=course, stage="tp")
+    assert (first.name, tp.name) == ("train_gpt2.py", "train_gpt2_tp.py")
+    assert tp.read_text() == (course / "solutions" / "train_gpt2_fsdp.py").read_text()
+    for hunk in diffs.hunks(lesson, course, stage="tp"):
+        diffs.apply_hunk(lesson, hunk.number, root=course, stage="tp")
+    assert tp.read_text() == (course / "solutions" / "train_gpt2_tp.py").read_text()
+    assert {s.state for s in diffs.status(lesson, root=course, stage="tp")} == {"applied"}
+    assert {s.state for s in diffs.status(lesson, root=course)} == {"not yet applied"}
+    with pytest.raises(KitError, match="--stage lit: lesson 04-model-parallelism's diffs lead to "
+                                       "fsdp, tp, pp"):
+        diffs.step_for_lesson(lesson, "lit")

@@ -1,4 +1,4 @@
-"""export-hf: a std, ddp or fsdp run becomes a Hugging Face GPT-2 directory whose logits, greedy
+"""export-hf: a std, ddp, fsdp, tp or pp run becomes a Hugging Face GPT-2 directory whose logits, greedy
 generations and token ids are the kit's; bad input gets a one-line error."""
 import subprocess
 import sys
@@ -8,16 +8,25 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import kit_env
+from conftest import kit_env, torchrun
 from coursekit import KIT_ROOT, data, hfexport, runs, stages
 from coursekit.presets import GPT2_VOCAB, get_preset
 
 pytestmark = pytest.mark.stages
-# conftest's runs, trained once for the stage tests too: std in one process, ddp and fsdp on 2
-STAGE_RUNS = {"std": "std_twenty_steps", "ddp": "ddp_ten_steps", "fsdp": "fsdp_ten_steps"}
+# conftest's runs, trained once for the stage tests too: std in one process, ddp and fsdp on 2;
+# and two steps of tp and pp on 2, whose checkpoints hold slices and stages
+STAGE_RUNS = {"std": "std_twenty_steps", "ddp": "ddp_ten_steps", "fsdp": "fsdp_ten_steps",
+              "tp": None, "pp": None}
 
 
-def run_directory(request, stage):
+def run_directory(request, stage, tmp_path_factory):
+    if STAGE_RUNS[stage] is None:
+        out = tmp_path_factory.mktemp(f"{stage}-run")
+        torchrun(2, KIT_ROOT / "solutions" / f"train_gpt2_{stage}.py", "--preset", "tiny",
+                 "--device", "cpu", "--max-steps", "2", "--eval-interval", "2", "--eval-steps",
+                 "1", "--sample-tokens", "0", "--data", request.getfixturevalue("builtin_data"),
+                 "--out", out)
+        return out
     found = request.getfixturevalue(STAGE_RUNS[stage])
     return found[0] if isinstance(found, tuple) else found  # fsdp's comes with its stdout
 
@@ -31,7 +40,7 @@ def std_run(std_twenty_steps):
 def exported(request, tmp_path_factory):
     """(run directory, export directory) of a short run of each stage."""
     stage = request.param
-    run_dir = run_directory(request, stage)
+    run_dir = run_directory(request, stage, tmp_path_factory)
     out = tmp_path_factory.mktemp(f"{stage}-hf") / "model"
     hfexport.export(run_dir, out)
     return run_dir, out
@@ -43,7 +52,7 @@ def kit_model(run_dir):
     std = stages.load("std")
     config = runs.read_json(run_dir / "config.json")
     model = std.GPT(std.GPTConfig(**config["model"]))
-    if config["stage"] == "fsdp":
+    if config["stage"] in hfexport.SHARDED_STAGES:
         with warnings.catch_warnings():  # "assuming ... a single process": just so
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load({"model": model.state_dict()},
@@ -65,7 +74,7 @@ def test_logits_equal_the_kit_models(exported):
     assert hf.config.vocab_size == GPT2_VOCAB and hf.lm_head.weight.shape[0] == GPT2_VOCAB
     T = get_preset("tiny").seq_len
     idx = torch.randint(0, GPT2_VOCAB, (2, T), generator=torch.Generator().manual_seed(0))
-    expected = kit(idx)[0][..., :GPT2_VOCAB]
+    expected = kit(idx)[..., :GPT2_VOCAB]
     assert (hf(idx).logits - expected).abs().max().item() <= 1e-5
 
 
@@ -89,7 +98,7 @@ def test_greedy_generation_matches_the_kit_models(exported):
     prompt = torch.tensor([data.gpt2_encoding().encode_ordinary("The meaning of")])
     idx = prompt
     for _ in range(8):  # greedy decoding with the kit's model; generate() stops at end-of-text
-        token = kit(idx)[0][:, -1, :GPT2_VOCAB].argmax(-1, keepdim=True)
+        token = kit(idx)[:, -1, :GPT2_VOCAB].argmax(-1, keepdim=True)
         idx = torch.cat([idx, token], dim=1)
         if token.item() == data.EOT_TOKEN:
             break
@@ -144,11 +153,11 @@ def test_run_without_a_checkpoint_is_named(std_run, tmp_path):
 
 
 def test_unsupported_stage_names_the_supported_ones(tmp_path):
-    run_dir = tmp_path / "tp-run"
+    run_dir = tmp_path / "lit-run"
     run_dir.mkdir()
-    runs.write_json_atomic(run_dir / "config.json", {"stage": "tp"})
-    assert_one_line_error(export_hf(run_dir, tmp_path / "out"), run_dir, "'tp'",
-                          "std, ddp and fsdp")
+    runs.write_json_atomic(run_dir / "config.json", {"stage": "lit"})
+    assert_one_line_error(export_hf(run_dir, tmp_path / "out"), run_dir, "'lit'",
+                          "std, ddp, fsdp, tp and pp")
 
 
 def test_non_empty_out_needs_force_which_replaces_it(std_run, tmp_path):

@@ -93,9 +93,10 @@ def course(tmp_path_factory):
     root = tmp_path_factory.mktemp("course")
     shutil.copy(KIT_ROOT / "nbgrader_config.py", root)
     shutil.copytree(KIT_ROOT / "notebooks", root / "notebooks",
-                    ignore=shutil.ignore_patterns("runs", ".ipynb_checkpoints", grading.WORKING_COPY))
+                    ignore=shutil.ignore_patterns("runs", ".ipynb_checkpoints", *diffs.WORKING_COPIES))
     for lesson in grading.GRADED_WORKING_COPIES:
-        diffs.start_working_copy(lesson, root / "notebooks" / lesson / grading.WORKING_COPY)
+        for step in diffs.lesson_steps(lesson):
+            diffs.start_working_copy(lesson, diffs.working_copy_path(step, root), stage=step.target)
     grading.generate(root)
     return root
 
@@ -103,8 +104,9 @@ def course(tmp_path_factory):
 def test_the_release_has_no_working_copy(course):
     """Each trainee starts their own; autograde then grades the one handed in, not the course
     root's (or the conversion, handed in solved, would score 0)."""
-    assert list((course / "notebooks").glob(f"*/{grading.WORKING_COPY}"))
-    assert not list((course / "release").glob(f"*/{grading.WORKING_COPY}"))
+    for name in diffs.WORKING_COPIES:
+        assert list((course / "notebooks").glob(f"*/{name}"))
+        assert not list((course / "release").glob(f"*/{name}"))
 
 
 def source_notebook(lesson):

@@ -7,6 +7,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from coursekit import KitError, memory, presets, stages
+from solutions import gpt
 
 pytestmark = pytest.mark.unit
 TINY = memory.Model.from_preset(presets.get_preset("tiny"))
@@ -17,11 +18,9 @@ SHARDED = {"ddp": set(), "zero1": {"optimizer"}, "zero2": {"optimizer", "grads"}
 
 
 def real_model(shape, stage="std"):
-    """The stage script's GPT with ``shape``'s sizes."""
-    script = stages.load(stage)
-    return script.GPT(script.GPTConfig(vocab_size=shape.vocab_size, block_size=shape.block_size,
-                                       n_layer=shape.n_layer, n_head=shape.n_head,
-                                       n_embd=shape.n_embd))
+    """The GPT every stage trains (solutions/gpt.py) with ``shape``'s sizes."""
+    return gpt.GPT(gpt.GPTConfig(vocab_size=shape.vocab_size, block_size=shape.block_size,
+                                 n_layer=shape.n_layer, n_head=shape.n_head, n_embd=shape.n_embd))
 
 
 def nbytes(tensors):
@@ -34,7 +33,7 @@ def measured_tiny():
     model = real_model(TINY)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     idx = torch.randint(0, TINY.vocab_size, (1, 16))
-    model(idx, idx)[1].backward()
+    gpt.cross_entropy(model(idx), idx).backward()
     optimizer.step()
     # Adam's per-tensor step counter is one number per tensor, not per parameter: left out
     state = [t for slots in optimizer.state.values() for name, t in slots.items() if name != "step"]
@@ -85,7 +84,7 @@ def test_each_zero_stage_splits_its_parts_of_the_measured_bytes(measured_tiny):
 def test_bf16_mixed_adds_the_bytes_of_real_bf16_copies(measured_tiny):
     model = real_model(TINY)
     whole_copy = nbytes(p.detach().to(torch.bfloat16) for p in model.parameters())
-    block_copy = nbytes(p.detach().to(torch.bfloat16) for p in model.transformer.h[0].parameters())
+    block_copy = nbytes(p.detach().to(torch.bfloat16) for p in model.transformer.h["0"].parameters())
     ddp = memory.per_rank_bytes(TINY, "ddp", 2, precision="bf16-mixed")
     fsdp = memory.per_rank_bytes(TINY, "fsdp", 2, precision="bf16-mixed")
     assert ddp["params"] == measured_tiny["params"] + whole_copy
@@ -93,7 +92,7 @@ def test_bf16_mixed_adds_the_bytes_of_real_bf16_copies(measured_tiny):
 
 
 def test_a_blocks_activations_are_what_autograd_saves():
-    block = real_model(TINY).transformer.h[0]
+    block = real_model(TINY).transformer.h["0"]
     x = torch.randn(4, TINY.block_size, TINY.n_embd, requires_grad=True)
     measured = saved_for_backward(block, lambda: block(x))
     formula = memory.activation_bytes(TINY, 4, TINY.block_size, "fp32", blocks=1, logits=False)
@@ -102,7 +101,7 @@ def test_a_blocks_activations_are_what_autograd_saves():
 
 
 def test_checkpointing_keeps_each_blocks_input_and_recomputes_one_block():
-    block = real_model(TINY).transformer.h[0]
+    block = real_model(TINY).transformer.h["0"]
     x = torch.randn(4, TINY.block_size, TINY.n_embd, requires_grad=True)
     kept = saved_for_backward(block, lambda: checkpoint(block, x, use_reentrant=False))
     whole = saved_for_backward(block, lambda: block(x))
@@ -140,7 +139,7 @@ def fake_process_group():
 
 def test_tensor_parallel_share_is_what_the_tp_stage_holds(fake_process_group):
     shape = memory.Model(n_layer=2, n_embd=64, n_head=4, vocab_size=512, block_size=64)
-    model = real_model(shape, "tp")
+    model = real_model(shape)
     stages.load("tp").apply_tp(model, fake_process_group)
     held = sum(p.to_local().numel() for p in model.parameters())
     assert shape.tensor_parallel_parameters(4) == held
@@ -155,7 +154,7 @@ def test_pipeline_stages_hold_what_the_pp_stage_keeps():
     counts = []
     for stage in range(5):  # 12 blocks over 5 stages
         with torch.device("meta"):
-            kept = pp.keep_stage(real_model(GPT2, "pp"), stage, 5)
+            kept = pp.keep_stage(real_model(GPT2), stage, 5)
         counts.append(sum(p.numel() for p in kept.parameters()))
     assert GPT2.pipeline_stage_blocks(5) == [3, 3, 2, 2, 2]
     assert GPT2.pipeline_stage_parameters(5) == counts

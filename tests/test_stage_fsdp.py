@@ -34,7 +34,7 @@ def losses(metrics, keys=("loss", "val_loss")):
 
 def test_two_processes_train_like_ddp(fsdp_two, ddp_two):
     out, stdout = fsdp_two
-    assert "2 processes, backends " in stdout and stdout.count("step 1/10 ") == 1
+    assert "2 processes, backend " in stdout and stdout.count("step 1/10 ") == 1
     fsdp = runs.read_metrics(out)
     assert [r["step"] for r in fsdp] == list(range(1, 11))
     for got, expected in zip(fsdp, ddp_two, strict=True):

@@ -32,7 +32,7 @@ def two_device_run(builtin_data, tmp_path_factory):
 
 def test_two_devices_follow_std_at_the_same_global_batch(two_device_run, std_metrics):
     out, stdout = two_device_run
-    assert "2 process(es) | DDPStrategy | device cpu" in stdout
+    assert "2 process(es) | DDPStrategy\ndevice cpu" in stdout
     assert stdout.count("step 1/20 ") == 1  # only global rank 0 prints
     config = runs.read_json(out / "config.json")
     assert (config["stage"], config["world_size"], config["grad_accum"]) == ("lit", 2, 1)
@@ -57,7 +57,8 @@ BAD_CHOICES = [
     (["--strategy", "deepspeed_stage_2"], "--strategy deepspeed_stage_2 runs on CUDA GPUs only"),
     (["--devices", "0"], "argument --devices: expected a positive integer, got 0"),
     (["--strategy", "horovod"], "argument --strategy: invalid choice: 'horovod'"),
-    (["--devices", "3"], "--batch-tokens 1024 is not a multiple of micro-batch x seq-len x processes = 4 x 128 x 3"),
+    (["--devices", "3"], "--batch-tokens 1024 is not a multiple of micro-batch x seq-len x "
+                         "data-parallel processes = 4 x 128 x 3"),
 ]
 
 

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ONE_THREAD, TWENTY_STEPS, kit_env, run_stage, stage_command, std_stdout
-from coursekit import runs, stages
+from coursekit import runs, stages, training
 from helpers import interrupt
 
 pytestmark = pytest.mark.stages
@@ -75,7 +75,7 @@ def test_checkpoint_is_safetensors_and_json_and_reproduces_the_model(base_run, b
     args = config["args"]
     val_loader = std.TokenShardLoader(builtin_data, "val", args["micro_batch"], args["seq_len"])
     val_loss = std.evaluate(model, val_loader, args["eval_steps"], device,
-                            std.autocast_for(device)[0])
+                            training.prepare_device(device)[0])
     assert val_loss == pytest.approx(runs.read_metrics(out)[-1]["val_loss"], abs=1e-6)
 
 
@@ -117,7 +117,7 @@ def test_both_signals_slurm_sends_before_a_stop_are_caught_alike():
     below stops on SIGUSR1, and the Slurm requeue test stops a real job with SIGTERM."""
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     try:
-        stop = std.StopSignal()
+        stop = training.StopSignal()
         assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGUSR1) == stop.handle
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.received == "SIGTERM"

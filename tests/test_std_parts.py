@@ -1,11 +1,15 @@
-"""Pieces of the std stage script, imported and checked in-process."""
+"""Pieces of the std stage script and of the model every stage trains (solutions/gpt.py),
+imported and checked in-process."""
 import math
 
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from coursekit import stages
+from solutions import gpt
 
 pytestmark = pytest.mark.unit
 std = stages.load("std")
@@ -54,8 +58,8 @@ def test_weights_are_tied_and_initialised_like_gpt2():
     config = std.GPTConfig(vocab_size=1000, block_size=16, n_layer=8, n_head=4, n_embd=256)
     model = std.GPT(config)
     assert model.lm_head.weight is model.transformer.wte.weight
-    assert model.transformer.h[0].mlp.c_fc.weight.std().item() == pytest.approx(0.02, rel=0.05)
-    assert model.transformer.h[0].mlp.c_proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
+    assert model.transformer.h["0"].mlp.c_fc.weight.std().item() == pytest.approx(0.02, rel=0.05)
+    assert model.transformer.h["0"].mlp.c_proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(16), rel=0.05)
 
 
 def test_attention_is_causal():
@@ -64,7 +68,7 @@ def test_attention_is_causal():
     idx = torch.randint(0, 100, (1, 8))
     changed = idx.clone()
     changed[0, 5] = (idx[0, 5] + 1) % 100
-    before, after = model(idx)[0], model(changed)[0]
+    before, after = model(idx), model(changed)
     assert torch.equal(before[0, :5], after[0, :5]) and not torch.equal(before[0, 5:], after[0, 5:])
 
 
@@ -74,3 +78,68 @@ def test_no_weight_decay_on_biases_and_norms():
     assert decay["weight_decay"] == 0.1 and all(p.dim() == 2 for p in decay["params"])
     assert no_decay["weight_decay"] == 0.0 and all(p.dim() == 1 for p in no_decay["params"])
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+class FusedAttention(nn.Module):
+    """GPT-2's own attention: q, k and v from one (3C, C) matrix, c_attn."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.head_dim = config.n_embd // config.n_head
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
+        self.c_proj.scale_init_by_depth = True
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2)
+                   for t in self.c_attn(x).split(C, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def test_separate_q_k_v_start_as_gpt2s_fused_matrix_and_compute_the_same(monkeypatch):
+    """Same seed => the same model as with GPT-2's fused c_attn: on a CPU, normal_ gives a (3C, C)
+    matrix bit for bit the numbers it gives three (C, C) matrices in a row; so the first losses
+    of every stage are GPT-2's."""
+    config = gpt.GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=4, n_embd=32)
+    torch.manual_seed(0)
+    split = gpt.GPT(config)
+    monkeypatch.setattr(gpt, "CausalSelfAttention", FusedAttention)
+    torch.manual_seed(0)
+    fused = gpt.GPT(config)
+    split_state, fused_state = split.state_dict(), fused.state_dict()
+    for name, tensor in fused_state.items():
+        if "c_attn" in name:  # the fused matrix's rows: q's, then k's, then v's
+            parts = [split_state[name.replace("c_attn", p)] for p in ("q_proj", "k_proj", "v_proj")]
+            assert torch.equal(tensor, torch.cat(parts)), name
+        else:
+            assert torch.equal(tensor, split_state[name]), name
+    idx = torch.randint(0, 256, (2, 16))
+    assert torch.allclose(split(idx), fused(idx), atol=1e-6)
+
+
+def test_a_pipeline_stage_keeps_blocks_by_index_and_passes_the_stream_on():
+    """Blocks are keyed by index; without embeddings the model reads the residual stream and
+    without its head returns it: three such pieces compute the whole model's logits."""
+    torch.manual_seed(0)
+    config = gpt.GPTConfig(vocab_size=100, block_size=8, n_layer=3, n_head=2, n_embd=16)
+    whole = gpt.GPT(config)
+    idx = torch.randint(0, 100, (2, 8))
+    pieces = []
+    for kept in ("0", "1", "2"):
+        torch.manual_seed(0)
+        piece = gpt.GPT(config)
+        for index in [i for i in piece.transformer.h if i != kept]:
+            del piece.transformer.h[index]
+        if kept != "0":
+            piece.transformer.wte = piece.transformer.wpe = None
+        if kept != "2":
+            piece.transformer.ln_f = piece.lm_head = None
+        pieces.append(piece)
+    stream = pieces[0](idx)
+    assert stream.shape == (2, 8, 16)
+    logits = pieces[2](pieces[1](stream))
+    assert torch.equal(logits, whole(idx))
+    assert gpt.cross_entropy(logits, idx).item() == pytest.approx(
+        F.cross_entropy(whole(idx).view(-1, 100), idx.view(-1)).item())

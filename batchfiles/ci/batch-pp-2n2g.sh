@@ -37,7 +37,7 @@ srun --kill-on-bad-exit=1 bash -c 'PET_NODE_RANK="$SLURM_NODEID" exec "$@"' per-
     --nnodes=2 --nproc-per-node=2 --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
     --max-restarts=2 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
     solutions/train_gpt2_pp.py --preset tiny --data data/builtin --out runs/ci-pp-2n2g --resume \
-    --microbatches 4 --max-steps 6 --eval-interval 6 --eval-steps 2 --ckpt-interval 3 --sample-tokens 0 --device cpu &
+    --micro-batch 2 --max-steps 6 --eval-interval 6 --eval-steps 2 --ckpt-interval 3 --sample-tokens 0 --device cpu &
 step=$!
 status=0
 wait "$step" || status=$?

@@ -19,7 +19,7 @@
 # **Objectives.** After this lesson you can
 # - use the words of the course precisely: vocabulary, data set, sample, microbatch, minibatch,
 #   step, epoch, and do the arithmetic that links them;
-# - find every part of GPT-2 in `solutions/train_gpt2_std.py` and count its parameters;
+# - find every part of GPT-2 in `solutions/gpt.py` and count its parameters;
 # - train it, inside the notebook and as a script, and read the run's `metrics.jsonl`;
 # - generate text from a checkpoint;
 # - compute the model FLOPs utilisation (MFU) of a run and say what limits it.
@@ -135,8 +135,22 @@ widgets.batch_calculator()
 # %% [markdown]
 # ## The model, walked through
 #
-# `solutions/train_gpt2_std.py` is the script every later lesson changes. Open it next to this
-# notebook: it reads top to bottom. We import its parts here rather than copy them.
+# The model is `solutions/gpt.py`, written once: every stage of the course trains it unchanged,
+# and each later lesson applies its parallelism to it from outside (lesson 02 wraps it, lesson 04
+# shards, splits and slices it). Open it next to this notebook: it reads top to bottom. Three
+# choices in it look ahead to lesson 04, and change nothing in what the model computes:
+#
+# - q, k and v are three $d \times d$ projections where GPT-2 has one $d \times 3d$ matrix,
+#   `c_attn`. They start with the very numbers GPT-2's fused matrix would (a test checks it), and
+#   `coursekit export-hf` fuses them back for Hugging Face.
+# - The blocks are kept by their index (`transformer.h["3"]`), so that a pipeline stage can keep
+#   some of them under their own names.
+# - `forward` returns the logits; the loss is `cross_entropy(model(x), y)`, computed beside it.
+#
+# The script that trains it, `solutions/train_gpt2_std.py`, is the one every later lesson
+# changes: its data, optimiser, schedule, checkpoints and loop. What no lesson is about (the
+# command line and its presets, the stop signal, the run's banner) it takes from `coursekit`.
+# We import their parts here rather than copy them.
 #
 # - `wte`: the token embedding, a $V \times d$ table (one row of $d$ numbers per token);
 #   `wpe`: the position embedding, $T \times d$. Their sum enters the **residual stream**.
@@ -150,19 +164,21 @@ widgets.batch_calculator()
 # %%
 from coursekit import stages
 
+from solutions import gpt
+
 std = stages.load("std")  # solutions/train_gpt2_std.py, imported as a module
 
 torch.manual_seed(1337)
-config = std.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len, n_layer=tiny.n_layer,
+config = gpt.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len, n_layer=tiny.n_layer,
                        n_head=tiny.n_head, n_embd=tiny.n_embd)
-model = std.GPT(config)
+model = gpt.GPT(config)
 print(model)
 print(f"{sum(p.numel() for p in model.parameters()):,} parameters")
 
 # %% [markdown]
 # **Exercise 2.** Write `gpt2_parameters(n_layer, n_embd, vocab_size, block_size)`, the number of
 # parameters of this GPT with tied embeddings. Per block: two LayerNorms ($2d$ each: gain and
-# bias), `c_attn` ($d \times 3d$ + bias), attention `c_proj` ($d \times d$ + bias), `c_fc`
+# bias), q, k and v ($d \times d$ + bias each), attention `c_proj` ($d \times d$ + bias), `c_fc`
 # ($d \times 4d$ + bias), MLP `c_proj` ($4d \times d$ + bias). Plus the embeddings and the final
 # LayerNorm. GPT-2 small (50,257 tokens, 1,024 positions, 12 layers, 768 wide) has 124,439,808.
 
@@ -211,7 +227,7 @@ for step in range(steps):
     optimizer.zero_grad()
     for _ in range(accum):
         x, y = train_loader.next_batch()
-        _, loss = model(x, y)
+        loss = gpt.cross_entropy(model(x), y)
         (loss / accum).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), tiny.grad_clip)
     optimizer.step()
@@ -300,7 +316,7 @@ assert torch.softmax(top_k_filter(scores, 1), dim=0).tolist() == [0.0, 1.0, 0.0,
 
 # %% tags=["demo"]
 step, state = runs.load_checkpoint(run_dir)
-trained = std.GPT(config)
+trained = gpt.GPT(config)
 trained.load_state_dict(state["model"])
 trained.eval()
 prompt = torch.tensor([encoding.encode_ordinary("Return the")])

@@ -37,6 +37,7 @@
 # %%
 import os
 import shutil
+import inspect
 import statistics
 import subprocess
 import sys
@@ -46,7 +47,8 @@ import matplotlib.pyplot as plt
 import torch
 from IPython.display import Markdown, display
 
-from coursekit import KIT_ROOT, data, diffs, presets, runs, stages, widgets
+from coursekit import KIT_ROOT, data, diffs, distributed, presets, runs, stages, widgets
+from solutions import gpt
 
 DATA = KIT_ROOT / "data" / "builtin"
 if not (DATA / "meta.json").exists():  # the offline corpus: built in seconds, once
@@ -83,17 +85,16 @@ LONGER_RUNS = torch.cuda.is_available()
 # samples equals the mean of the gradients of two halves of 4.
 
 # %% tags=["demo"]
-config = std.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len, n_layer=tiny.n_layer,
+config = gpt.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len, n_layer=tiny.n_layer,
                        n_head=tiny.n_head, n_embd=tiny.n_embd)
 torch.manual_seed(0)
-model = std.GPT(config)
+model = gpt.GPT(config)  # solutions/gpt.py: the model every stage trains
 x, y = std.TokenShardLoader(DATA, "train", 8, tiny.seq_len).next_batch()
 
 
 def gradient(samples):
     model.zero_grad()
-    _, loss = model(x[samples], y[samples])
-    loss.backward()
+    gpt.cross_entropy(model(x[samples]), y[samples]).backward()
     return torch.cat([p.grad.flatten() for p in model.parameters()])
 
 
@@ -248,20 +249,31 @@ print("ranks 0 and 1 together == one process with B=8:", torch.equal(together, o
 # The whole lesson is one diff, `diffs/std-ddp.patch`. Each **hunk** is one change, with three
 # lines of context around it:
 #
-# 1. the docstring's launch command; 2–3. imports (`gc`, `os`, `torch.distributed`);
-# 4–5. the loader takes `rank` and `world_size` and keeps its share of $N$ microbatches;
-# 6. `init_distributed()` reads the environment and starts the process group (gloo for CPU
-#    tensors, and NCCL for GPU tensors where there are GPUs) through the kit's
-#    `faults.init_process_group`, whose collectives give up after `KIT_DIST_TIMEOUT` seconds (600)
-#    rather than wait for ever for a process that hung or died; `all_reduce_mean` for logging;
-#    and `pick_device` gives each process the GPU of its local rank, or a clear error if it has
-#    none;
-# 7. `main` starts by finding its place in the job;
-# 8. DDP wraps the model; `grad_accum` counts the processes; each rank's loader gets its rank;
-# 9. rank 0 alone starts the run directory;
-# 10. the loop: `no_sync()` for all but the last microbatch, the loss averaged over ranks;
-# 11. rank 0 alone writes metrics, checkpoints and the sample; a stop signal that all ranks agree
-#     on; a clean shutdown of the process group.
+# 1. the docstring's launch command; 2. imports (`nullcontext`, `DistributedDataParallel`);
+# 3–4. the loader takes `rank` and `world_size` and keeps its share of $N$ microbatches;
+# 5. `main` finds its place in the job: `distributed.setup` (below) gives it its rank, the
+#    number of processes and its device;
+# 6. DDP wraps the model; `grad_accum` counts the processes; each rank's loader gets its rank;
+#    rank 0 alone starts the run directory;
+# 7. the loop: `no_sync()` for all but the last microbatch; one all-reduce averages the loss over
+#    the ranks and tells each whether any rank was told to stop; rank 0 alone writes metrics,
+#    checkpoints and the sample; a clean shutdown of the process group.
+#
+# Every multi-process stage of the course starts the same way, so `distributed.setup` lives once,
+# in `coursekit/distributed.py`. Read it: it is the part of this lesson the diff does not show.
+# The launcher's variables say where the process is; its device comes from its local rank and is
+# made the current one *before* the group starts, so that NCCL's communicator and every bare
+# `"cuda"` tensor land on this process's GPU (without it, every rank would use GPU 0); the group
+# gets the backend for that device (gloo on CPUs, NCCL beside gloo on NVIDIA and AMD GPUs) and,
+# on GPUs, its `device_id`; its collectives give up after `KIT_DIST_TIMEOUT` seconds (600) rather
+# than wait for ever for a process that hung or died. A single process gets a group of one, so
+# that the same script runs alone.
+
+# %% tags=["demo"]
+print(inspect.getsource(distributed.setup))
+print(inspect.getsource(distributed.device_for))
+
+# %% [markdown]
 #
 # Start your working copy, `train_gpt2.py` in this notebook's folder, from the std stage (an
 # existing copy is kept), then read the hunks.

@@ -19,7 +19,7 @@
 # **Objectives.** After this lesson you can
 # - say what Lightning automates in a training script and what stays your job;
 # - split a training script into a `LightningModule` (what to compute) and a `Trainer` (where
-#   and how to run it), and read the diff from the DDP stage to the Lightning stage;
+#   and how to run it), and compare the DDP stage with the Lightning stage side by side;
 # - choose a distribution strategy by flag, and tell which ones need a GPU;
 # - run Lightning inside a notebook (`ddp_notebook`) and from a script (`ddp`), and get the same
 #   model;
@@ -32,6 +32,8 @@
 # The time is an estimate; the instructor guide says how it is made.
 
 # %%
+import html
+import inspect
 import logging
 import os
 import shutil
@@ -46,9 +48,9 @@ import lightning as L
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
-from IPython.display import Markdown, display
+from IPython.display import HTML, display
 
-from coursekit import KIT_ROOT, data, diffs, runs, stages
+from coursekit import KIT_ROOT, data, runs, stages
 
 DATA = KIT_ROOT / "data" / "builtin"
 if not (DATA / "meta.json").exists():  # the offline corpus: built in seconds, once
@@ -174,47 +176,39 @@ print(f"w = {w:.3f}, b = {b:.3f}")
 assert abs(w - 3) < 0.05 and abs(b - 1) < 0.05
 
 # %% [markdown]
-# ## The diff from DDP to Lightning
+# ## DDP and Lightning, side by side
 #
-# `diffs/ddp-lit.patch` is larger than the DDP diff, and mostly red: the training loop, the
-# process group, `no_sync`, the checkpoint code and the signal handling of the DDP stage go away.
-# What comes in is `LitGPT` (the loop body, moved into hooks), `make_trainer` (the settings),
-# and flags for the strategy, devices and nodes. The model, the data loader, the optimiser and
-# the schedule are unchanged: the same preset and seed give the same first loss as std and ddp.
+# `train_gpt2_lit.py` is not a small diff on the DDP stage: Lightning replaces its training loop.
+# What stays is imported rather than copied: the model of `solutions/gpt.py`, and the DDP stage's
+# data loader (made iterable for Lightning), optimiser and schedule. So the same preset and seed
+# give the same first loss as std and ddp. What the DDP stage does by hand, Lightning does here:
+#
+# | the DDP stage, by hand | the Lightning stage |
+# |---|---|
+# | `distributed.setup`, `DDP(model)` | `Trainer(strategy=..., devices=..., num_nodes=...)` |
+# | `forward_backward`: forward, loss, backward | `training_step` returns the loss |
+# | the microbatch loop with `no_sync()` | `accumulate_grad_batches` |
+# | `clip_grad_norm_`, bf16 `autocast` | `gradient_clip_val`, `precision="bf16-mixed"` |
+# | the learning rate set each step | a `LambdaLR` schedule from `configure_optimizers` |
+# | `save_checkpoint`, `resume` | a `ModelCheckpoint` callback, `fit(ckpt_path=...)` |
+# | the stop signal, checkpoint and exit | Lightning's Slurm plug-in: checkpoint and requeue |
+# | the loss averaged over ranks | `self.trainer.strategy.reduce` |
+#
+# Two of these, the step itself and the logging of a step, next to each other:
 
 # %% tags=["demo"]
-LESSON = "03-lightning"
-working_copy = diffs.start_working_copy(LESSON)  # your copy, started from the DDP stage
-hunks = diffs.hunks(LESSON)
-added, removed = diffs.counts(diffs.patch_path(diffs.step_for_lesson(LESSON)).read_text())
-print(f"ddp -> lit: {len(hunks)} hunks, +{added} -{removed} lines")
-for hunk in hunks:
-    plus, minus = (sum(line.startswith(sign) for line in hunk.text.splitlines()[1:]) for sign in "+-")
-    print(f"  hunk {hunk.number:2d}  +{plus:3d} -{minus:3d}  {hunk.header}")
-
-# %% [markdown]
-# The biggest hunk replaces the DDP stage's evaluation, checkpoint and signal code with the
-# LightningModule. Read the small ones first; they show everything else that changes.
-
-# %% tags=["demo"]
-def show(hunk):
-    display(Markdown(f"**hunk {hunk.number}**\n```diff\n{hunk.text}\n```"))
+ddp = stages.load("ddp")
 
 
-biggest = max(hunks, key=lambda hunk: len(hunk.text))
-for hunk in hunks:
-    if hunk is not biggest:
-        show(hunk)
+def side_by_side(left, right):
+    """Two functions' source, left and right, as the book and JupyterLab show HTML."""
+    columns = "".join(f"<td style='vertical-align:top'><pre>{html.escape(inspect.getsource(f))}"
+                      "</pre></td>" for f in (left, right))
+    display(HTML(f"<table><tr>{columns}</tr></table>"))
 
-# %% tags=["demo"]
-show(biggest)
 
-# %% [markdown]
-# As in lesson 02, build the stage yourself in `train_gpt2.py` in this folder and check it hunk
-# by hunk; `python -m coursekit diffs status --lesson 03-lightning` does the same in a terminal.
-
-# %% tags=["demo"]
-print(diffs.report(LESSON, diffs.status(LESSON)).splitlines()[-1])
+side_by_side(ddp.forward_backward, lit.LitGPT.training_step)
+side_by_side(ddp.main, lit.LitGPT.on_train_batch_end)
 
 # %% [markdown]
 # ## The Trainer and strategies by flag

@@ -21,7 +21,8 @@
 #   per parameter, and say which part outgrows a GPU first;
 # - say what DDP, ZeRO-1/2/3 (FSDP), tensor parallelism (TP) and pipeline parallelism (PP) each
 #   split across the GPUs, and what each sends over the network;
-# - turn the DDP script into the FSDP2 script hunk by hunk, and check your copy;
+# - turn the DDP script into the FSDP2 script, and that into the tensor-parallel and the pipeline
+#   scripts, hunk by hunk, and check your copies: each applies its parallelism to one model;
 # - predict the bytes each rank holds and compare them with what the runs measure;
 # - trade memory for time with activation checkpointing, and measure the trade;
 # - compute a pipeline's bubble $(p-1)/(m+p-1)$ and measure it against the number of
@@ -52,6 +53,7 @@ import torch
 from IPython.display import Markdown, display
 
 from coursekit import KIT_ROOT, data, diffs, memory, presets, runs, stages, widgets
+from solutions import gpt
 
 DATA = KIT_ROOT / "data" / "builtin"
 if not (DATA / "meta.json").exists():  # the offline corpus: built in seconds, once
@@ -61,6 +63,10 @@ tiny = presets.get_preset("tiny")
 TINY, GPT2 = memory.Model.from_preset(tiny), memory.Model.from_preset(presets.get_preset("gpt2-124m"))
 GPUS = torch.cuda.device_count()
 print(f"torch {torch.__version__}; GPUs visible: {GPUS}")
+LESSON = "04-model-parallelism"
+# your working copies, next to this notebook and handed in with it: one per diff of the lesson
+FSDP_COPY, TP_COPY, PP_COPY = (Path(name).resolve() for name in
+                               ("train_gpt2.py", "train_gpt2_tp.py", "train_gpt2_pp.py"))
 
 # %% [markdown]
 # ## When one GPU is not enough
@@ -209,23 +215,23 @@ assert smallest_world_size(widgets.MODELS["70B shape"], "pp", 40, 1, 4096) is No
 # then updates only local shards. Sharding every block, then the root (the embeddings and final
 # norm), means only one block's parameters are whole at a time.
 #
+# The model is the same `solutions/gpt.py` as in every stage: FSDP is applied to it from outside.
 # The diff `diffs/ddp-fsdp.patch`:
 #
-# 1. the docstring; 2–3. imports: `torch.distributed.checkpoint` (DCP), `fully_shard`, the mesh;
-# 4. a process group also for one process (a group of one, in memory), so one code path shards;
-# 5. `apply_activation_checkpointing` and `apply_fsdp`: shard every block, then the root; bf16
+# 1. the docstring; 2. imports: `torch.distributed.checkpoint` (DCP), `fully_shard`, the mesh;
+# 3. `apply_activation_checkpointing` and `apply_fsdp`: shard every block, then the root; bf16
 #    gathers on GPUs (`MixedPrecisionPolicy`), optional CPU offload;
-# 6. checkpoints: *every* rank writes its shards in parallel with DCP, rank 0 publishes the
-#    checkpoint; loading reshards, so a checkpoint of 2 ranks resumes on 1 or 4; a per-rank
-#    memory report;
-# 7. the new flags; 8. `apply_fsdp` replaces the DDP wrapper;
-# 9. `set_requires_gradient_sync` replaces `no_sync`; the gradient norm of a sharded model is a
+# 4–5. checkpoints: *every* rank writes its shards in parallel with DCP, rank 0 publishes the
+#    checkpoint; the optimiser state is kept under the parameters' names; loading reshards, so a
+#    checkpoint of 2 ranks resumes on 1 or 4;
+# 6. the new flags; 7. `apply_fsdp` over a mesh of the $N$ ranks replaces the DDP wrapper;
+# 8. `set_requires_gradient_sync` replaces `no_sync`; the gradient norm of a sharded model is a
 #    DTensor, whole after `full_tensor()`;
-# 10. every rank saves (its shards) and generates (forward needs every rank's shards).
+# 9. every rank saves (its shards) and generates (forward needs every rank's shards); each
+#    rank's memory report (`coursekit.memory.report`: the bytes of its shards, and its peak).
 
 # %% tags=["demo"]
-LESSON = "04-model-parallelism"
-working_copy = diffs.start_working_copy(LESSON)
+working_copy = diffs.start_working_copy(LESSON, FSDP_COPY)
 patch_text = diffs.patch_path(diffs.step_for_lesson(LESSON)).read_text()
 added, removed = diffs.counts(patch_text)
 print(f"{working_copy.name}: {len(working_copy.read_text().splitlines())} lines; "
@@ -240,7 +246,7 @@ for hunk in diffs.hunks(LESSON):
 # `python -m coursekit diffs apply --lesson 04-model-parallelism --hunk N` applies one for you.
 
 # %% tags=["demo"]
-print(diffs.report(LESSON, diffs.status(LESSON)))
+print(diffs.report(LESSON, diffs.status(LESSON, FSDP_COPY)))
 
 # %% [markdown]
 # ## FSDP on 2 and 4 processes: the same model, a share of the memory each
@@ -319,7 +325,7 @@ assert off < 0.01  # FSDP's padding only
 # preset's shape (6 blocks, 384 wide, 256-token samples), and the time of forward + backward.
 
 # %% tags=["demo"]
-fsdp = stages.load("fsdp")  # the stage script's model and its apply_activation_checkpointing
+fsdp = stages.load("fsdp")  # the stage script, for its apply_activation_checkpointing
 small = presets.get_preset("small")
 SMALL = memory.Model.from_preset(small)
 device = torch.device("cuda" if GPUS else "cpu")
@@ -341,16 +347,16 @@ MICRO_BATCH = 4  # samples of 256 tokens: enough for the activations to stand ou
 def activations_and_time(checkpointing, micro_batch=MICRO_BATCH):
     """(bytes that forward keeps for backward, seconds of forward + backward)."""
     torch.manual_seed(0)
-    model = fsdp.GPT(fsdp.GPTConfig(vocab_size=small.vocab_size, block_size=small.seq_len,
-                                    n_layer=small.n_layer, n_head=small.n_head,
-                                    n_embd=small.n_embd)).to(device)
+    model = gpt.GPT(gpt.GPTConfig(vocab_size=small.vocab_size, block_size=small.seq_len,
+                                  n_layer=small.n_layer, n_head=small.n_head,
+                                  n_embd=small.n_embd)).to(device)
     if checkpointing:
         fsdp.apply_activation_checkpointing(model)
     x = torch.randint(0, data.EOT_TOKEN, (micro_batch, small.seq_len), device=device)
-    model(x, x)[1].backward()  # a first pass allocates gradients and warms up the kernels
+    gpt.cross_entropy(model(x), x).backward()  # a first pass allocates gradients, warms up
     before = memory_in_use()
     start = time.perf_counter()
-    _, loss = model(x, x)
+    loss = gpt.cross_entropy(model(x), x)
     held = memory_in_use() - before
     loss.backward()
     return held, time.perf_counter() - start
@@ -397,15 +403,35 @@ print(f"checkpointing: {ckpt_s / plain_s:.2f}x the time for {1 - ckpt_held / pla
 #
 # This traffic sits on the critical path of every layer, which is why TP stays inside a node,
 # on NVLink, and FSDP goes across nodes. `solutions/train_gpt2_tp.py` does both: `--tp N` ranks
-# per tensor-parallel group (default: the processes of a node), FSDP over the groups. Its model
-# has separate q, k, v projections: a column-wise split of GPT-2's fused `c_attn` would hand rank
-# 0 all of q and half of k. The plan is a dictionary from module names to `ColwiseParallel`,
-# `RowwiseParallel` and `SequenceParallel`, applied with `parallelize_module`:
+# per tensor-parallel group (default: the processes of a node), FSDP over the groups. It trains
+# the same model: q, k and v are separate projections there for this lesson, since a column-wise
+# split of GPT-2's fused `c_attn` would hand rank 0 all of q and half of k.
+#
+# ### From `train_gpt2_fsdp.py` to `train_gpt2_tp.py`, hunk by hunk
+#
+# The diff `diffs/fsdp-tp.patch`:
+#
+# 1. the docstring; 2. imports: the layouts (`Replicate`, `Shard`) and the tensor-parallel styles;
+# 3. `apply_tp`, the plan: a dictionary from module names to `ColwiseParallel`, `RowwiseParallel`
+#    and `SequenceParallel`, applied with `parallelize_module`; embeddings split over the
+#    vocabulary, the logits left split for the loss; the tied matrix tied again;
+# 4. evaluation computes the loss of vocabulary-split logits under `loss_parallel()`;
+# 5. `--tp`, and the sizes it must divide; sampling through the split model (the context padded
+#    for sequence parallelism, the logits gathered);
+# 6. a 2-D device mesh, `dp` × `tp`: TP inside each group first, then FSDP across the groups
+#    (`apply_fsdp` is unchanged, on the `dp` dimension); the ranks of a TP group read the same
+#    microbatch, so data parallelism counts `dp`, not the processes;
+# 7. the training step's loss, and its backward, under `loss_parallel()`;
+# 8. the sample goes through the split model.
+#
+# Your working copy for this diff is `train_gpt2_tp.py`, started from the FSDP stage (with its
+# own status: `python -m coursekit diffs status --lesson 04-model-parallelism --stage tp`).
 
 # %% tags=["demo"]
-tp_stage = (KIT_ROOT / "solutions" / "train_gpt2_tp.py").read_text()
-plan = tp_stage[tp_stage.index("def apply_tp"):]
-print(plan[:plan.index("\n\n\n")])
+tp_copy = diffs.start_working_copy(LESSON, TP_COPY, stage="tp")
+for hunk in diffs.hunks(LESSON, stage="tp"):
+    display(Markdown(f"**hunk {hunk.number}**\n```diff\n{hunk.text}\n```"))
+print(diffs.report(LESSON, diffs.status(LESSON, tp_copy, stage="tp")).splitlines()[-1])
 
 # %% tags=["demo"]
 tp_run, tp_reports = launch("tp", 2, "tp-2", "--tp", 2)
@@ -467,6 +493,37 @@ assert abs(predicted_step_time(8.0, 2, 8) - 9.0) < 1e-12
 assert abs(predicted_step_time(1.0, 4, 4) - 7 / 4) < 1e-12
 assert abs(predicted_step_time(3.0, 1, 5) - 3.0) < 1e-12
 ### END HIDDEN TESTS
+
+# %% [markdown]
+# ### From `train_gpt2_fsdp.py` to `train_gpt2_pp.py`, hunk by hunk
+#
+# The pipeline stage starts from the FSDP stage too, and trains the same model: each rank builds
+# the whole model from the same seed and deletes what its stage does not hold. The model's
+# blocks are kept by index, so a stage's blocks keep their names (and its checkpoints stay
+# readable); the first stage keeps the embeddings, the last the final norm and the head. The
+# diff `diffs/fsdp-pp.patch`:
+#
+# 1. the docstring; 2. imports: `PipelineStage` and torch's two schedules;
+# 3. the stage's share of the model: `stage_blocks` (an even split of the blocks), `keep_stage`;
+#    weight tying across stages (the first stage's embedding and the last stage's head are two
+#    copies of one matrix: their gradients are summed), the gradient norm over every stage, and
+#    `run_pipeline`, which feeds a minibatch to the schedule; these replace `apply_fsdp` and
+#    `forward_backward`, and evaluation runs the schedule's forward-only pass;
+# 4. `--schedule` (GPipe or 1F1B) instead of `--cpu-offload`: a stage holds its parameters whole;
+# 5. the checks a pipeline needs (a block per stage, a microbatch per stage for 1F1B); the
+#    stage and its schedule, whose `loss_fn` is the model's `cross_entropy` on the last stage;
+#    the microbatches of a step are the schedule's $m$ (what `grad_accum` was), and every stage
+#    reads the whole minibatch;
+# 6. the step: one call to the schedule, then the tied gradients, the norm, the optimiser;
+# 7. evaluation through the schedule; 8. the sample, through the stages in turn.
+#
+# Your working copy for it is `train_gpt2_pp.py` (`--stage pp`).
+
+# %% tags=["demo"]
+pp_copy = diffs.start_working_copy(LESSON, PP_COPY, stage="pp")
+for hunk in diffs.hunks(LESSON, stage="pp"):
+    display(Markdown(f"**hunk {hunk.number}**\n```diff\n{hunk.text}\n```"))
+print(diffs.report(LESSON, diffs.status(LESSON, pp_copy, stage="pp")).splitlines()[-1])
 
 # %% [markdown]
 # First the pipeline stage itself, on 2 processes: each process holds a stage, the tied
@@ -538,6 +595,53 @@ plt.show()
 # trade holds at a larger scale: enough microbatches to hide the bubble, few enough that each
 # still keeps a GPU busy.
 #
+# **Exercise 4: the three conversions.** Make every hunk of the three diffs in your working
+# copies, in the editor: `train_gpt2.py` (DDP to FSDP), `train_gpt2_tp.py` and `train_gpt2_pp.py`
+# (FSDP to TP and to PP). Your answer is those files, handed in with this notebook: delete the
+# `raise NotImplementedError()` of the next cell, which has nothing for you to write, and run
+# the test after it. The test checks that every hunk is applied; when grading, it also trains
+# each of your scripts in one process for a few steps and compares its losses with those of the
+# finished stage.
+
+# %% nbgrader={"grade": false, "grade_id": "conversions", "locked": false, "schema_version": 3, "solution": true, "task": false}
+# Your work for this exercise is in train_gpt2.py, train_gpt2_tp.py and train_gpt2_pp.py.
+### BEGIN SOLUTION
+for stage, copy in (("fsdp", FSDP_COPY), ("tp", TP_COPY), ("pp", PP_COPY)):
+    diffs.start_working_copy(LESSON, copy, stage=stage)
+    for found in diffs.status(LESSON, copy, stage=stage):  # the work in the editor, done here
+        if found.state == "not yet applied":
+            diffs.apply_hunk(LESSON, found.hunk.number, copy, stage=stage)
+### END SOLUTION
+
+# %% nbgrader={"grade": true, "grade_id": "conversions_tests", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+for stage, copy in (("fsdp", FSDP_COPY), ("tp", TP_COPY), ("pp", PP_COPY)):
+    statuses = diffs.status(LESSON, copy, stage=stage)
+    print(diffs.report(LESSON, statuses).splitlines()[-1], f"({copy.name})")
+    assert all(found.state == "applied" for found in statuses), f"{copy.name}: see the report"
+### BEGIN HIDDEN TESTS
+import contextlib  # noqa: E402
+import io  # noqa: E402
+
+
+def few_step_losses(script, name):
+    """Train ``script`` (a module) for 4 small steps in this process; its losses."""
+    out = Path("runs") / name
+    shutil.rmtree(out, ignore_errors=True)
+    with contextlib.redirect_stdout(io.StringIO()):
+        script.main(["--preset", "tiny", "--device", "cpu", "--data", str(DATA), "--out", str(out),
+                     "--max-steps", "4", "--micro-batch", "1", "--batch-tokens", "256",
+                     "--eval-steps", "1", "--sample-tokens", "0"])
+    return [record["loss"] for record in runs.read_metrics(out)]
+
+
+for stage, copy in (("fsdp", FSDP_COPY), ("tp", TP_COPY), ("pp", PP_COPY)):
+    yours = few_step_losses(stages.load_script(copy, f"trainee_{stage}"), f"conversion-{stage}")
+    solution = few_step_losses(stages.load(stage), f"conversion-{stage}-solution")
+    assert len(yours) == 4 and all(abs(a - b) <= 1e-6 for a, b in zip(yours, solution)), stage
+### END HIDDEN TESTS
+
+# %% [markdown]
+#
 # ## Choosing a strategy
 #
 # 1. *It fits on one GPU* with a useful micro-batch (the calculator says so): DDP. Nothing is
@@ -573,5 +677,7 @@ plt.show()
 # - Pipeline parallelism splits the layers; its bubble $(p-1)/(m+p-1)$ shrinks with more
 #   microbatches; 1F1B keeps fewer activations in flight than GPipe.
 # - Activation checkpointing trades about a third more compute for much less activation memory.
+# - The model is written once, free of parallelism; each strategy is applied to it from outside
+#   (`fully_shard`, a TP plan, a pipeline split), so each stage is a small diff on the last.
 # - Predict with the arithmetic, then measure: per-rank bytes and step times tell you whether a
 #   strategy did what you paid for.

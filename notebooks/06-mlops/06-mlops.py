@@ -66,7 +66,8 @@ from safetensors.torch import load_file, save_file
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers.utils import logging as transformers_logging
 
-from coursekit import KIT_ROOT, data, hfexport, presets, registry, runs, stages
+from coursekit import KIT_ROOT, data, distributed, hfexport, presets, registry, runs, stages
+from solutions import gpt
 
 DATA = KIT_ROOT / "data" / "builtin"
 if not (DATA / "meta.json").exists():  # the offline corpus: built in seconds, once
@@ -700,11 +701,11 @@ assert stats["median"] == statistics.median(logged[2:])
 # %%
 std = stages.load("std")  # solutions/train_gpt2_std.py, imported as a module
 tiny = presets.get_preset("tiny")
-device = std.pick_device("auto")
+device = distributed.device_for(0)  # the stages' choice: the first GPU there is, else the CPU
 torch.manual_seed(0)
-config = std.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len, n_layer=tiny.n_layer,
+config = gpt.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len, n_layer=tiny.n_layer,
                        n_head=tiny.n_head, n_embd=tiny.n_embd)
-model = std.GPT(config).to(device)
+model = gpt.GPT(config).to(device)  # solutions/gpt.py, the model every stage trains
 optimizer = std.configure_optimizer(model, tiny.lr, tiny.weight_decay, device)
 loader = std.TokenShardLoader(DATA, "train", 2, tiny.seq_len)  # 2 samples per step: quick
 
@@ -712,7 +713,7 @@ loader = std.TokenShardLoader(DATA, "train", 2, tiny.seq_len)  # 2 samples per s
 def train_step():
     x, y = (t.to(device) for t in loader.next_batch())
     with record_function("forward"):
-        _, loss = model(x, y)
+        loss = gpt.cross_entropy(model(x), y)
     with record_function("backward"):
         loss.backward()
     with record_function("optimizer"):

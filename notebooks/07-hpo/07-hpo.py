@@ -95,6 +95,7 @@ from sklearn.gaussian_process import GaussianProcessRegressor
 from sklearn.gaussian_process.kernels import ConstantKernel, Matern
 
 from coursekit import perf, presets, stages
+from solutions import gpt
 
 sys.path.insert(0, str(KIT_ROOT / "solutions"))
 import hpo_optuna  # noqa: E402  (the study's driver: its search space, sampler, pruner, storage)
@@ -766,10 +767,10 @@ BASE_LR, WARMUP_TOKENS = 1e-3, 1024
 def train_briefly(batch_tokens, lr, warmup_steps):
     """TOKENS tokens of the std stage's training loop at this global batch, peak learning rate and
     warm-up: [(tokens seen, training loss)] for every step, and the final validation loss."""
-    config = std.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len,
+    config = gpt.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len,
                            n_layer=tiny.n_layer, n_head=tiny.n_head, n_embd=tiny.n_embd)
     torch.manual_seed(1337)  # the stage's seed: the same initial weights for every recipe
-    model = std.GPT(config)
+    model = gpt.GPT(config)
     optimizer = std.configure_optimizer(model, lr, tiny.weight_decay, torch.device("cpu"))
     loader = std.TokenShardLoader(DATA, "train", batch_tokens // SEQ_LEN, SEQ_LEN)
     steps, curve = TOKENS // batch_tokens, []
@@ -777,7 +778,7 @@ def train_briefly(batch_tokens, lr, warmup_steps):
         for group in optimizer.param_groups:
             group["lr"] = std.learning_rate(step, lr, warmup_steps, steps)
         x, y = loader.next_batch()
-        _, loss = model(x, y)
+        loss = gpt.cross_entropy(model(x), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), tiny.grad_clip)

@@ -37,13 +37,15 @@ model = stage.GPT(config)
 stage.apply_tp(model, mesh["tp"])
 stage.apply_fsdp(model, torch.device("cpu"), mesh["dp"], cpu_offload=False)
 with loss_parallel():
-    logits, loss = model(x[share], y[share])
+    logits = model(x[share])
+    loss = stage.cross_entropy(logits, y[share])
     loss.backward()
-loss = stage.all_reduce_mean(loss.full_tensor().detach())  # the mean over the dp shares
+loss = stage.distributed.all_reduce_mean(loss.full_tensor().detach())  # the mean over the dp shares
 
 torch.manual_seed(0)
 reference = stage.GPT(config)  # the same initial weights, the whole batch in one process
-reference_logits, reference_loss = reference(x, y)
+reference_logits = reference(x)
+reference_loss = stage.cross_entropy(reference_logits, y)
 reference_loss.backward()
 
 grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}

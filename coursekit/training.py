@@ -1,0 +1,255 @@
+"""What every GPT stage script shares and no lesson is about: its command line and the preset
+behind it, the precision its device gets, the stop signal, RNG state, the run's config and
+banner, and the sample at the end. The model (solutions/gpt.py), the data, the optimiser, the
+loop and the parallelism stay in the scripts: they are what the lessons teach.
+
+    parser = training.argument_parser(__doc__, STAGE)   # the flags every stage has
+    parser.add_argument("--tp", ...)                     # and the stage's own
+    args = training.parse_args(parser, argv, check=check_tp_args)
+"""
+import signal
+from contextlib import nullcontext
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from coursekit import KitError, data, distributed, perf, presets, runs, tracking
+from coursekit.cli import ArgumentParser, non_negative_float, positive_float, positive_int
+
+#: The flags a preset fills in when they are not given
+PRESET_DEFAULTS = ("data", "max_steps", "micro_batch", "seq_len", "batch_tokens", "lr",
+                   "weight_decay", "n_layer", "eval_interval", "eval_steps", "ckpt_interval")
+
+
+# --- the command line -------------------------------------------------------------------------
+
+def argument_parser(doc, stage):
+    """The flags every stage shares: the preset, its sizes, the run directory, the device."""
+    parser = ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--preset", choices=list(presets.PRESETS), default=None,
+                        help="model and batch sizes (default: gpt2-124m on a GPU, tiny on a CPU)")
+    parser.add_argument("--data", help="prepared data directory (default: the preset's)")
+    parser.add_argument("--out", default=None, help=f"run directory (default: runs/{stage}-<preset>)")
+    parser.add_argument("--max-steps", type=positive_int, help="optimiser steps (schedule length)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the run directory's newest checkpoint, if it has one")
+    parser.add_argument("--micro-batch", type=positive_int, help="samples per forward pass (B)")
+    parser.add_argument("--seq-len", type=positive_int, help="tokens per sample (T)")
+    parser.add_argument("--batch-tokens", type=positive_int, help="tokens per optimiser step")
+    parser.add_argument("--lr", type=positive_float, help="peak learning rate")
+    parser.add_argument("--weight-decay", type=non_negative_float,
+                        help="AdamW weight decay of the matrices")
+    parser.add_argument("--n-layer", type=positive_int, help="transformer blocks (model depth)")
+    parser.add_argument("--warmup-steps", type=int, help="linear warm-up steps")
+    parser.add_argument("--eval-interval", type=positive_int, help="steps between validations")
+    parser.add_argument("--eval-steps", type=positive_int, help="microbatches per validation")
+    parser.add_argument("--ckpt-interval", type=positive_int, help="steps between checkpoints")
+    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--device", default="auto", choices=["auto", "cuda", "xpu", "cpu"])
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--sample-tokens", type=int, default=64, help="tokens generated at the end")
+    parser.add_argument("--prompt", default="The", help="start of the generated sample")
+    tracking.add_argument(parser)
+    parser.set_defaults(stage=stage)
+    return parser
+
+
+def parse_args(parser, argv=None, check=None):
+    """The arguments with the preset's defaults filled in, checked, then checked by the stage's
+    own ``check(args, preset)``. A combination that cannot work ends the program with one line
+    that says why."""
+    args = parser.parse_args(argv)
+    try:
+        preset = presets.get_preset(args.preset or presets.default_preset_name(
+            torch.cuda.is_available() and args.device in ("auto", "cuda")))
+        args.preset = preset.name
+        if args.device != "auto":  # a device asked for by name must be there
+            distributed.device_for(0, args.device)
+        fill_defaults(args, preset)
+        check_args(args, preset)
+        if check is not None:
+            check(args, preset)
+    except KitError as err:
+        parser.error(str(err))
+    return args
+
+
+def fill_defaults(args, preset):
+    for name in PRESET_DEFAULTS:
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(preset, name))
+    if args.warmup_steps is None:  # a short run warms up for a tenth of its steps at most
+        args.warmup_steps = min(preset.warmup_steps, args.max_steps // 10)
+    args.out = args.out or f"runs/{args.stage}-{preset.name}"
+
+
+def check_args(args, preset):
+    """Refuse combinations that cannot work, saying why."""
+    if args.seq_len > preset.seq_len:
+        raise KitError(f"--seq-len {args.seq_len} is longer than the {preset.name} model's "
+                       f"context of {preset.seq_len} tokens")
+    if not 0 <= args.warmup_steps <= args.max_steps:
+        raise KitError(f"--warmup-steps {args.warmup_steps} must be between 0 and --max-steps "
+                       f"({args.max_steps})")
+    if args.batch_tokens % (args.micro_batch * args.seq_len):
+        raise KitError(f"--batch-tokens {args.batch_tokens} is not a multiple of micro-batch x "
+                       f"seq-len = {args.micro_batch} x {args.seq_len} = "
+                       f"{args.micro_batch * args.seq_len}")
+    if not 0 <= args.sample_tokens <= 4096:
+        raise KitError(f"--sample-tokens {args.sample_tokens} must be between 0 and 4096")
+    meta = data.read_meta(args.data)
+    needed = args.micro_batch * args.seq_len + 1
+    for split, info in meta["splits"].items():
+        if info["tokens"] < needed:
+            raise KitError(f"the {split} split of {args.data} has {info['tokens']:,} tokens, "
+                           f"fewer than one microbatch needs ({needed:,}): lower --micro-batch "
+                           f"or --seq-len, or prepare more data")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise KitError(f"--out {out} is a file, not a run directory")
+    if runs.latest_checkpoint(out) is not None and not args.resume:
+        raise KitError(f"{out} already holds a checkpoint: pass --resume to continue that run, "
+                       "or choose another --out")
+
+
+def batch_split(args, data_parallel):
+    """Microbatches per step and process (gradient accumulation) when ``data_parallel``
+    processes each take their own microbatches."""
+    B, T = args.micro_batch, args.seq_len
+    if args.batch_tokens % (B * T * data_parallel):
+        raise KitError(f"--batch-tokens {args.batch_tokens} is not a multiple of micro-batch x "
+                       f"seq-len x data-parallel processes = {B} x {T} x {data_parallel}")
+    return args.batch_tokens // (B * T * data_parallel)
+
+
+# --- the device's precision -------------------------------------------------------------------
+
+def prepare_device(device):
+    """(autocast, its name): bf16 autocast on GPUs that have it (matmuls in bf16, weights and
+    optimiser in fp32), fp32 elsewhere; and the device's own settings for speed."""
+    if device.type == "cpu":
+        perf.keep_freed_cpu_memory()  # reuse freed tensors' pages instead of re-faulting them
+    if device.type == "cuda":
+        torch.set_float32_matmul_precision("high")  # TF32 for any matmul left in fp32
+        if torch.cuda.is_bf16_supported():
+            return torch.autocast(device_type="cuda", dtype=torch.bfloat16), "bf16 autocast"
+    return nullcontext(), "fp32"
+
+
+# --- stopping, and the random state -----------------------------------------------------------
+
+class StopSignal:
+    """Slurm sends SIGUSR1 (with --signal) or SIGTERM before it stops a job: finish the step,
+    checkpoint, exit 0, and let the requeued job resume."""
+
+    def __init__(self):
+        self.received = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self.handle)
+
+    def handle(self, signum, frame):
+        self.received = signal.Signals(signum).name
+
+    def flag(self, device):
+        """1.0 once a signal came, else 0.0: sent with the loss, so that all stop together."""
+        return torch.tensor(float(self.received is not None), device=device)
+
+
+def rng_state(device):
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state, device):
+    torch.set_rng_state(state["cpu"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+# --- the run's config and banner --------------------------------------------------------------
+
+def run_config(args, preset, model_config, parameters, device, precision, **stage_facts):
+    """What config.json records of a run: the arguments, the model, the device and its peak,
+    and the stage's own facts (world_size, grad_accum, ...)."""
+    peak, peak_source = perf.peak_flops(device)
+    return {
+        "stage": args.stage, "args": vars(args), "preset": preset.as_dict(),
+        "model": asdict(model_config), "parameters": parameters, **stage_facts,
+        "flops_per_token": perf.flops_per_token(model_config.n_layer, model_config.n_embd,
+                                                args.seq_len, model_config.vocab_size),
+        "peak_flops": peak, "peak_source": peak_source, "device": str(device),
+        "device_name": perf.device_name(device), "precision": precision,
+        "torch": torch.__version__,
+    }
+
+
+def print_banner(config, train_tokens):
+    """The run's shape in a few lines: device, model, batch, and how much data it will see."""
+    args, model = config["args"], config["model"]
+    T, tokens = args["seq_len"], args["batch_tokens"]
+    accumulation = (f"microbatches = {config['microbatches']}" if "microbatches" in config
+                    else f"grad_accum = {config['grad_accum']}")
+    print(f"device {config['device']} ({config['device_name']}) | {config['precision']} | "
+          f"compile {'on' if args['compile'] else 'off'} | peak "
+          f"{config['peak_flops'] / 1e12:.2f} TFLOP/s ({config['peak_source']})")
+    print(f"model {args['preset']}: {config['parameters']:,} parameters, {model['n_layer']} "
+          f"layers, {model['n_head']} heads, {model['n_embd']} wide, context "
+          f"{model['block_size']}")
+    print(f"sample = {T} tokens | microbatch = {args['micro_batch']} samples | {accumulation} | "
+          f"processes = {config.get('world_size', 1)} | minibatch = {tokens // T} samples = "
+          f"{tokens:,} tokens per step")
+    steps = args["max_steps"]
+    print(f"{steps:,} steps x {tokens:,} tokens = {steps * tokens:,} tokens = "
+          f"{steps * tokens / train_tokens:.2f} epochs of {train_tokens:,} training tokens")
+
+
+def step_line(record, max_steps):
+    """The parseable line each step prints (metrics.jsonl holds the same record)."""
+    line = (f"step {record['step']}/{max_steps} | loss {record['loss']:.4f} | "
+            f"lr {record['lr']:.1e} | grad_norm {record['grad_norm']:.2f} | "
+            f"{record['ms']:.1f} ms | {record['tok_per_s']:,.0f} tok/s | "
+            f"mfu {100 * record['mfu']:.1f}%")
+    if "val_loss" in record:
+        line += f" | val {record['val_loss']:.4f}"
+    return line
+
+
+# --- the sample at the end --------------------------------------------------------------------
+
+def write_sample(run_dir, args, device, generate, write=True):
+    """Complete --prompt with --sample-tokens tokens from ``generate(idx, n, generator=...)``
+    (the model's, or a stage's that spreads it over processes) into RUN_DIR/sample.txt."""
+    encoding = data.gpt2_encoding()
+    prompt = torch.tensor([encoding.encode_ordinary(args.prompt)], device=device)
+    generator = torch.Generator(device=device).manual_seed(args.seed)  # leaves the global RNG alone
+    tokens = generate(prompt, args.sample_tokens, generator=generator)[0].tolist()
+    text = encoding.decode([t for t in tokens if t < data.EOT_TOKEN])
+    if write:
+        (Path(run_dir) / "sample.txt").write_text(text + "\n")
+        print(f"sample: {text!r}")
+
+
+def pipelined_last_logits(model, device):
+    """``last_logits(context)`` for sampling through a pipeline of GPT stages (one per rank):
+    each token's forward runs through the stages in turn, one sample with nothing to overlap,
+    and the last stage sends its logits to every rank, which all draw the same token."""
+    import torch.distributed as dist
+
+    rank, last = dist.get_rank(), dist.get_world_size() - 1
+
+    def last_logits(context):
+        x = context
+        if rank > 0:  # the previous stage's residual stream for these tokens
+            x = torch.empty(*context.shape, model.config.n_embd, device=device)
+            dist.recv(x, src=rank - 1)
+        x = model(x)
+        if rank < last:
+            dist.send(x, dst=rank + 1)
+        logits = (x[:, -1, :].contiguous() if rank == last else
+                  torch.empty(len(context), model.config.vocab_size, device=device))
+        dist.broadcast(logits, src=last)
+        return logits
+    return last_logits
