@@ -26,9 +26,10 @@ c.CourseDirectory.feedback_directory = "feedback"
 # The jupytext pair of a lesson holds its solutions: only the notebook is released.
 c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedback", "runs",
                             "[0-9][0-9]-*.py"]
-# A trainee's working copy of a stage script is graded (lesson 02), so autograde keeps the one
-# handed in, never the course root's own; `python -m coursekit assignments` releases none.
-c.Autograde.exclude_overwriting = {lesson: [grading.WORKING_COPY]
+# A trainee's working copies of the stage scripts are graded (lessons 02 and 04), so autograde
+# keeps the ones handed in, never the course root's own; `python -m coursekit assignments`
+# releases none.
+c.Autograde.exclude_overwriting = {lesson: list(grading.WORKING_COPIES)
                                    for lesson in grading.lessons(Path(__file__).parent)}
 c.ExecutePreprocessor.timeout = 600
 # Autograde runs trainees' code: in the kit's grading kernel, a bubblewrap sandbox where it sees

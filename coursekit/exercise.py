@@ -30,3 +30,27 @@ def own_work(*functions):
     finally:
         for function, code in zip(functions, saved):
             function.__code__ = code
+
+
+def conversion_losses(script, solution, data_dir, out_dir, steps=4):
+    """The losses of a trainee's converted stage script and of the finished one, each trained
+    for ``steps`` small steps in this process (one process: a group of one) on ``data_dir``:
+    the hidden tests of a conversion compare them. ``script`` and ``solution`` are modules
+    (coursekit.stages.load_script, stages.load)."""
+    import contextlib
+    import io
+    import shutil
+    from pathlib import Path
+
+    from coursekit import runs
+
+    losses = []
+    for module, name in ((script, "yours"), (solution, "solution")):
+        out = Path(out_dir) / name
+        shutil.rmtree(out, ignore_errors=True)
+        with contextlib.redirect_stdout(io.StringIO()):
+            module.main(["--preset", "tiny", "--device", "cpu", "--data", str(data_dir),
+                         "--out", str(out), "--max-steps", str(steps), "--micro-batch", "1",
+                         "--batch-tokens", "256", "--eval-steps", "1", "--sample-tokens", "0"])
+        losses.append([record["loss"] for record in runs.read_metrics(out)])
+    return losses

@@ -20,7 +20,6 @@ chosen by the config file (solutions/accelerate/*.yaml), not by the script.
 import json
 import os
 import shutil
-import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -32,7 +31,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import (DataLoaderConfiguration, DistributedType,
                               GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed)
 
-from coursekit import KitError, faults, hub, instruct, perf, runs, tracking
+from coursekit import KitError, faults, hub, instruct, perf, runs, tracking, training
 from coursekit.cli import ArgumentParser, positive_float, positive_int
 
 STAGE = "lora"
@@ -385,19 +384,6 @@ def write_model_dir(final, write):
     os.replace(tmp, final)
 
 
-class StopSignal:
-    """Slurm sends SIGUSR1 (with --signal) or SIGTERM before it stops a job: finish the step,
-    checkpoint, exit 0, and let the requeued job resume."""
-
-    def __init__(self):
-        self.received = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self.handle)
-
-    def handle(self, signum, frame):
-        self.received = signal.Signals(signum).name
-
-
 # ----------------------------------------------------------------------------------------------
 # Command line
 # ----------------------------------------------------------------------------------------------
@@ -557,7 +543,7 @@ def main(argv=None):
         before, _ = evaluate(accelerator, model, tokenizer, val_loader, val_scored, args)
         report_evaluation(accelerator, run_dir, "before", before)
 
-    stop, done, last_eval = StopSignal(), start_step, None
+    stop, done, last_eval = training.StopSignal(), start_step, None
     batches = microbatches(accelerator, train_loader, start_step * args.grad_accum)
     model.train()
     for step in range(start_step, args.max_steps):

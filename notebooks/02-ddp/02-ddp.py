@@ -329,23 +329,10 @@ statuses = diffs.status(LESSON, WORKING_COPY)
 print(diffs.report(LESSON, statuses))
 assert all(found.state == "applied" for found in statuses), "the report above lists what is left"
 ### BEGIN HIDDEN TESTS
-import contextlib  # noqa: E402
-import io  # noqa: E402
+from coursekit import exercise  # noqa: E402
 
-
-def ten_step_losses(script, name):
-    """Train ``script`` (a module) for 10 small steps in this process; its losses."""
-    out = Path("runs") / name
-    shutil.rmtree(out, ignore_errors=True)
-    with contextlib.redirect_stdout(io.StringIO()):
-        script.main(["--preset", "tiny", "--device", "cpu", "--data", str(DATA), "--out", str(out),
-                     "--max-steps", "10", "--micro-batch", "1", "--batch-tokens", "256",
-                     "--eval-steps", "1", "--sample-tokens", "0"])
-    return [record["loss"] for record in runs.read_metrics(out)]
-
-
-yours = ten_step_losses(stages.load_script(WORKING_COPY, "trainee_train_gpt2"), "conversion-yours")
-solution = ten_step_losses(ddp, "conversion-solution")
+yours, solution = exercise.conversion_losses(stages.load_script(WORKING_COPY, "trainee_train_gpt2"),
+                                             ddp, DATA, Path("runs") / "conversion", steps=10)
 assert len(yours) == 10 and all(abs(a - b) <= 1e-6 for a, b in zip(yours, solution)), (yours, solution)
 ### END HIDDEN TESTS
 

@@ -10,19 +10,13 @@ import os
 import torch
 import torch.distributed as dist
 
+from coursekit import distributed
+
 SAMPLES_PER_RANK = 8
 
 
-def coordinates():
-    """This process's place in the job, from torchrun's variables or else from Slurm's."""
-    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", 0)))
-    world_size = int(os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", 1)))
-    local_rank = int(os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", 0)))
-    return rank, world_size, local_rank
-
-
 def main():
-    rank, world_size, local_rank = coordinates()
+    rank, world_size, local_rank = distributed.place()  # torchrun's variables, or else Slurm's
     dist.init_process_group("gloo", rank=rank, world_size=world_size)  # nccl for GPU tensors
 
     torch.manual_seed(0)  # the same batch and the same model in every process

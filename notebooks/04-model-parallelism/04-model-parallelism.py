@@ -619,24 +619,12 @@ for stage, copy in (("fsdp", FSDP_COPY), ("tp", TP_COPY), ("pp", PP_COPY)):
     print(diffs.report(LESSON, statuses).splitlines()[-1], f"({copy.name})")
     assert all(found.state == "applied" for found in statuses), f"{copy.name}: see the report"
 ### BEGIN HIDDEN TESTS
-import contextlib  # noqa: E402
-import io  # noqa: E402
-
-
-def few_step_losses(script, name):
-    """Train ``script`` (a module) for 4 small steps in this process; its losses."""
-    out = Path("runs") / name
-    shutil.rmtree(out, ignore_errors=True)
-    with contextlib.redirect_stdout(io.StringIO()):
-        script.main(["--preset", "tiny", "--device", "cpu", "--data", str(DATA), "--out", str(out),
-                     "--max-steps", "4", "--micro-batch", "1", "--batch-tokens", "256",
-                     "--eval-steps", "1", "--sample-tokens", "0"])
-    return [record["loss"] for record in runs.read_metrics(out)]
-
+from coursekit import exercise  # noqa: E402
 
 for stage, copy in (("fsdp", FSDP_COPY), ("tp", TP_COPY), ("pp", PP_COPY)):
-    yours = few_step_losses(stages.load_script(copy, f"trainee_{stage}"), f"conversion-{stage}")
-    solution = few_step_losses(stages.load(stage), f"conversion-{stage}-solution")
+    yours, solution = exercise.conversion_losses(stages.load_script(copy, f"trainee_{stage}"),
+                                                 stages.load(stage), DATA,
+                                                 Path("runs") / f"conversion-{stage}")
     assert len(yours) == 4 and all(abs(a - b) <= 1e-6 for a, b in zip(yours, solution)), stage
 ### END HIDDEN TESTS
 
