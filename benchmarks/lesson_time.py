@@ -16,6 +16,7 @@ group (the instructor guide says how) and run this again. Writes benchmarks/resu
 import argparse
 import re
 import time
+from pathlib import Path
 
 import nbformat
 from nbclient import NotebookClient
@@ -84,14 +85,16 @@ def sections(lesson, seconds):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--lessons", nargs="*", default=grading.lessons(KIT_ROOT))
+    parser.add_argument("--lessons", nargs="*", default=grading.lessons(KIT_ROOT),
+                        help="lessons to time (default: all); the others keep their results")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     result = {"benchmark": "minutes a trainee needs per lesson (estimate)",
               "rates": {"reading_wpm": READING_WPM, "code_lines_per_min": CODE_LINES_PER_MIN,
                         "exercise_base_min": EXERCISE_BASE_MIN,
                         "writing_lines_per_min": WRITING_LINES_PER_MIN},
-              "date": time.strftime("%Y-%m-%d"), "machine": machine(), "lessons": {}}
+              "date": time.strftime("%Y-%m-%d"), "machine": machine(),
+              "lessons": runs.read_json(args.out)["lessons"] if Path(args.out).exists() else {}}
     for lesson in args.lessons:
         parts = sections(lesson, run_seconds(lesson))
         total = [sum(part[i] for part in parts) for i in (1, 2, 3)]
@@ -103,6 +106,7 @@ def main():
               f"{total[1]:4.0f}, waiting for cells {total[2]:4.1f}", flush=True)
         for heading, *minutes in parts:
             print(f"    {sum(minutes):5.1f}  {heading}")
+    result["lessons"] = dict(sorted(result["lessons"].items()))
     runs.write_json_atomic(args.out, result)
     print(f"written to {args.out}")
 

@@ -31,9 +31,11 @@
 #
 # **Prerequisites.** Lesson 02: ranks, all-reduce, the global batch, `torchrun`.
 #
-# **Time.** About 60 minutes, in two parts of about 35 and 25 (the end of part 1 is marked):
-# reading, the exercises, and waiting for the cells on a laptop's CPU. The times are estimates; the
-# instructor guide says how they are made.
+# **Time.** About 3 hours, in three parts (the end of each is marked): about 40 minutes for
+# memory and FSDP, 25 for tensor and pipeline parallelism, and 2 hours for the lab that converts
+# the stage scripts, most of it typing the diffs' lines. The times are estimates of reading, the
+# exercises, and waiting for the cells on a laptop's CPU; the instructor guide says how they are
+# made.
 
 # %%
 import ctypes
@@ -595,6 +597,31 @@ plt.show()
 # trade holds at a larger scale: enough microbatches to hide the bubble, few enough that each
 # still keeps a GPU busy.
 #
+# ## Choosing a strategy
+#
+# 1. *It fits on one GPU* with a useful micro-batch (the calculator says so): DDP. Nothing is
+#    faster, and everything else is harder to debug.
+# 2. *The parameters, gradients and optimiser state do not fit*: FSDP (ZeRO-3). It costs about
+#    1.5× DDP's traffic and hides most of it behind compute; ZeRO-1/2 if only the optimiser or
+#    gradients are the problem.
+# 3. *Activations do not fit* even at micro-batch 1 (long sequences): activation
+#    checkpointing first, then TP with sequence parallelism (or context parallelism) inside a node.
+# 4. *Thousands of GPUs, or a slow network between nodes*: add TP inside nodes (2-D) and PP
+#    across groups of nodes (3-D); PP sends only activations at stage boundaries, which a slow
+#    network can carry, but needs many microbatches per step to keep its bubble small.
+#
+# ## Under Slurm
+#
+# `batchfiles/<site>/batch-fsdp-*.sh`, `batch-tp-*.sh` and `batch-pp-*.sh` start these stages
+# on one or more nodes exactly like the DDP stage: `srun torchrun` with one torchrun per node. A
+# pre-empted job writes a DCP checkpoint and its requeued run resumes from it; the FSDP stage's
+# checkpoints also resume on another number of GPUs.
+
+# %% [markdown]
+# *End of part 2. Part 3, the lab below, is the longest: do it in a lab session or as homework.*
+#
+# ## Lab: the three conversions
+#
 # **Exercise 4: the three conversions.** Make every hunk of the three diffs in your working
 # copies, in the editor: `train_gpt2.py` (DDP to FSDP), `train_gpt2_tp.py` and `train_gpt2_pp.py`
 # (FSDP to TP and to PP). Your answer is those files, handed in with this notebook: delete the
@@ -627,28 +654,6 @@ for stage, copy in (("fsdp", FSDP_COPY), ("tp", TP_COPY), ("pp", PP_COPY)):
                                                  Path("runs") / f"conversion-{stage}")
     assert len(yours) == 4 and all(abs(a - b) <= 1e-6 for a, b in zip(yours, solution)), stage
 ### END HIDDEN TESTS
-
-# %% [markdown]
-#
-# ## Choosing a strategy
-#
-# 1. *It fits on one GPU* with a useful micro-batch (the calculator says so): DDP. Nothing is
-#    faster, and everything else is harder to debug.
-# 2. *The parameters, gradients and optimiser state do not fit*: FSDP (ZeRO-3). It costs about
-#    1.5× DDP's traffic and hides most of it behind compute; ZeRO-1/2 if only the optimiser or
-#    gradients are the problem.
-# 3. *Activations do not fit* even at micro-batch 1 (long sequences): activation
-#    checkpointing first, then TP with sequence parallelism (or context parallelism) inside a node.
-# 4. *Thousands of GPUs, or a slow network between nodes*: add TP inside nodes (2-D) and PP
-#    across groups of nodes (3-D); PP sends only activations at stage boundaries, which a slow
-#    network can carry, but needs many microbatches per step to keep its bubble small.
-#
-# ## Under Slurm
-#
-# `batchfiles/<site>/batch-fsdp-*.sh`, `batch-tp-*.sh` and `batch-pp-*.sh` start these stages
-# on one or more nodes exactly like the DDP stage: `srun torchrun` with one torchrun per node. A
-# pre-empted job writes a DCP checkpoint and its requeued run resumes from it; the FSDP stage's
-# checkpoints also resume on another number of GPUs.
 
 # %% [markdown]
 # ## Key points
