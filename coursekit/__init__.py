@@ -1,8 +1,10 @@
 """coursekit: the tooling that no lesson changes.
 
-Stage scripts in ``solutions/`` import it only for the preset table, data preparation, run
-directories and performance arithmetic; the model, data iteration, training loop and parallelism
-live in the scripts because they are what the lessons teach.
+Stage scripts in ``solutions/`` import it for what no lesson teaches: the preset table, data
+preparation, run directories, performance arithmetic, their command line and run banner
+(``training``) and their distributed set-up (``distributed``). The model (``solutions/gpt.py``),
+data iteration, optimiser, training loop and parallelism live in ``solutions/`` because they are
+what the lessons teach.
 """
 from pathlib import Path
 
