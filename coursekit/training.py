@@ -5,7 +5,7 @@ loop and the parallelism stay in the scripts: they are what the lessons teach.
 
     parser = training.argument_parser(__doc__, STAGE)   # the flags every stage has
     parser.add_argument("--tp", ...)                     # and the stage's own
-    args = training.parse_args(parser, argv, check=check_tp_args)
+    args = training.parse_args(parser, argv, check=check_tp)  # the stage's own checks, if any
 """
 import signal
 from contextlib import nullcontext
