@@ -5,6 +5,7 @@ hardware's arithmetic the training really uses; 30-50% is good for a GPT on mode
 """
 import ctypes
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -13,27 +14,31 @@ import torch
 
 # Dense (no sparsity) peak FLOP/s per device as torch sees it, in the precision the stage scripts
 # train in on that device (bf16 tensor cores). Vendor datasheets; an AMD MI250X shows up as two
-# devices (GCDs), so its entry is half of the card's 383 TFLOP/s. First matching substring wins.
-PEAK_FLOPS = [
-    ("H200", 989e12),
-    ("GH200", 989e12),
-    ("H100 PCIe", 756e12),
-    ("H100", 989e12),
-    ("A100", 312e12),
-    ("A800", 312e12),
-    ("L40S", 362e12),
-    ("A40", 150e12),
-    ("A10", 125e12),
-    ("L4", 121e12),
-    ("V100", 125e12),
-    ("RTX 4090", 165e12),
-    ("RTX 3090", 71e12),
-    ("T4", 65e12),
-    ("MI300X", 1307e12),
-    ("MI250X", 191.5e12),
-    ("MI250", 181e12),
-    ("MI210", 181e12),
-]
+# devices (GCDs), so its entry is half of the card's 383 TFLOP/s. An entry matches whole words of
+# the name torch.cuda.get_device_name gives ("NVIDIA H100 NVL", "Tesla V100-SXM2-32GB"), and the
+# most specific entry wins: "H100 NVL" over "H100", and "L4" never matches an L40.
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "GH200": 989e12,
+    "H100": 989e12,  # SXM ("NVIDIA H100 80GB HBM3")
+    "H100 PCIe": 756e12,
+    "H100 NVL": 835e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "L40": 181e12,
+    "L4": 121e12,
+    "A40": 150e12,
+    "A10": 125e12,
+    "V100": 125e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "T4": 65e12,
+    "MI300X": 1307e12,
+    "MI250X": 191.5e12,
+    "MI250": 181e12,
+    "MI210": 181e12,
+}
 
 
 def matmul_params(n_layer, n_embd, vocab_size):
@@ -58,12 +63,18 @@ def flops_per_token(n_layer, n_embd, seq_len, vocab_size):
     return 6 * matmul_params(n_layer, n_embd, vocab_size) + 12 * n_layer * seq_len * n_embd
 
 
+def words(name):
+    """A device name's words, lower case: "Tesla V100-SXM2-32GB" -> ["tesla", "v100", "sxm2", "32gb"]."""
+    return re.findall(r"[a-z0-9]+", name.lower())
+
+
 def table_peak_flops(device_name):
-    """Peak FLOP/s from the table for a device name, or None if it is not listed."""
-    for fragment, flops in PEAK_FLOPS:
-        if fragment.lower() in device_name.lower():
-            return flops
-    return None
+    """Peak FLOP/s from the table for a device name, or None if it is not listed: the entry with
+    the most words among those whose words appear in the name, in a row."""
+    name = words(device_name)
+    found = [entry for entry in PEAK_FLOPS
+             if any(name[i:i + len(words(entry))] == words(entry) for i in range(len(name)))]
+    return PEAK_FLOPS[max(found, key=lambda entry: len(words(entry)))] if found else None
 
 
 _measured = {}

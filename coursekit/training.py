@@ -173,8 +173,10 @@ def set_rng_state(state, device):
 
 def run_config(args, preset, model_config, parameters, device, precision, **stage_facts):
     """What config.json records of a run: the arguments, the model, the device and its peak,
-    and the stage's own facts (world_size, grad_accum, ...)."""
-    peak, peak_source = perf.peak_flops(device)
+    and the stage's own facts (world_size, grad_accum, ...). A device the peak table does not
+    know gets the peak of a matmul measured in the precision it trains in."""
+    matmul_dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
+    peak, peak_source = perf.peak_flops(device, matmul_dtype)
     return {
         "stage": args.stage, "args": vars(args), "preset": preset.as_dict(),
         "model": asdict(model_config), "parameters": parameters, **stage_facts,

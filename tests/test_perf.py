@@ -1,10 +1,12 @@
 """FLOPs per token against PyTorch's own FLOP counter; peak tables; MFU arithmetic."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
-from coursekit import perf
+from coursekit import perf, presets, training
 from solutions import gpt
 
 pytestmark = pytest.mark.unit
@@ -26,13 +28,28 @@ def test_gpt2_124m_flops_per_token():
     assert perf.flops_per_token(12, 768, 1024, 50304) == pytest.approx(8.5e8, rel=0.02)
 
 
-def test_peak_table():
-    assert perf.table_peak_flops("NVIDIA H100 80GB HBM3") == 989e12
-    assert perf.table_peak_flops("NVIDIA H100 PCIe") == 756e12
-    assert perf.table_peak_flops("NVIDIA A100-SXM4-40GB") == 312e12
-    assert perf.table_peak_flops("AMD Instinct MI250X") == 191.5e12
-    assert perf.table_peak_flops("NVIDIA GH200 480GB") == 989e12
+# Names as torch.cuda.get_device_name gives them, and each one's dense bf16 datasheet peak
+DEVICE_NAMES = {
+    "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
+    "NVIDIA H200": 989e12, "NVIDIA GH200 480GB": 989e12, "NVIDIA A100-SXM4-40GB": 312e12,
+    "NVIDIA A100 80GB PCIe": 312e12, "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12,
+    "NVIDIA L4": 121e12, "NVIDIA A40": 150e12, "NVIDIA A10": 125e12,
+    "Tesla V100-SXM2-32GB": 125e12, "Tesla T4": 65e12, "NVIDIA GeForce RTX 4090": 165e12,
+    "AMD Instinct MI250X": 191.5e12, "AMD Instinct MI300X": 1307e12, "AMD Instinct MI210": 181e12,
+}
+
+
+@pytest.mark.parametrize("name, peak", DEVICE_NAMES.items())
+def test_peak_table_matches_the_devices_own_names(name, peak):
+    """Whole words, the most specific entry: an L40 is not an L4, an H100 NVL not an SXM H100,
+    a GH200 not an H200 (even where their numbers agree)."""
+    assert perf.table_peak_flops(name) == peak
+
+
+def test_a_device_not_in_the_table_has_no_table_peak():
     assert perf.table_peak_flops("Mystery Accelerator") is None
+    assert perf.table_peak_flops("NVIDIA L4000") is None  # a word that only starts like one
+    assert perf.table_peak_flops("NVIDIA H1000") is None
 
 
 def test_cpu_peak_is_measured():
@@ -51,3 +68,16 @@ def test_cpu_peak_estimate_bounds_the_measured_matmul():
     # An upper bound; the lower one only catches a unit slip (x1000): on a machine shared with
     # other jobs the matmul gets a small share of the cores (7% was seen under a load of 11).
     assert estimate is not None and 0.01 * estimate < measured < 1.2 * estimate
+
+
+@pytest.mark.parametrize("precision, measured", [("bf16 autocast", "bfloat16"), ("fp32", "float32")])
+def test_a_device_the_table_does_not_know_is_measured_in_the_precision_it_trains_in(precision,
+                                                                                    measured):
+    """The run's peak (and so its MFU) for a device without a datasheet entry, here the CPU."""
+    tiny = presets.get_preset("tiny")
+    args = SimpleNamespace(stage="std", seq_len=tiny.seq_len)
+    config = gpt.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len,
+                           n_layer=tiny.n_layer, n_head=tiny.n_head, n_embd=tiny.n_embd)
+    run = training.run_config(args, tiny, config, 1, torch.device("cpu"), precision)
+    assert run["peak_source"] == f"measured {measured} matmul on cpu"
+    assert run["peak_flops"] == perf.measure_matmul_flops("cpu", getattr(torch, measured))
