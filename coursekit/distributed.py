@@ -15,6 +15,7 @@ import sys
 from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from coursekit import KitError
 from coursekit.faults import TIMEOUT_VARIABLE
@@ -107,8 +108,6 @@ def rendezvous_store(rank, world_size, timeout):
     memory for a group of one. Each launch keeps its keys apart: torchrun's static rendezvous
     keeps one store for all of its --max-restarts, and a process of a restarted group could
     otherwise read the address a process of the crashed one left there (torch 2.13)."""
-    import torch.distributed as dist
-
     if world_size == 1:
         return dist.HashStore()
     agent_holds_it = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
@@ -123,8 +122,6 @@ def setup(requested_device="auto"):
     """Start this process's part of the job: (rank, world_size, device). Every process but rank
     0 prints nothing (one log, rank 0's). A single process gets a group of one, so that the same
     code (DDP, sharding, sharded checkpoints) runs alone."""
-    import torch.distributed as dist
-
     check_torch()
     rank, world_size, local_rank = place()
     device = device_for(local_rank, requested_device)
@@ -140,8 +137,6 @@ def setup(requested_device="auto"):
 
 def all_reduce_mean(tensor):
     """The mean over every process (gloo has no AVG: divide by the world size, then sum)."""
-    import torch.distributed as dist
-
     dist.all_reduce(tensor.div_(dist.get_world_size()), op=dist.ReduceOp.SUM)
     return tensor
 
@@ -149,8 +144,6 @@ def all_reduce_mean(tensor):
 def finish():
     """Wait for every process, free what still holds the group (DDP's reducer: a hang at exit
     with compile and gloo otherwise), then end the group."""
-    import torch.distributed as dist
-
     dist.barrier()
     gc.collect()
     dist.destroy_process_group()

@@ -13,6 +13,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from coursekit import KitError, data, distributed, perf, presets, runs, tracking
 from coursekit.cli import ArgumentParser, non_negative_float, positive_float, positive_int
@@ -238,8 +239,6 @@ def pipelined_last_logits(model, device):
     """``last_logits(context)`` for sampling through a pipeline of GPT stages (one per rank):
     each token's forward runs through the stages in turn, one sample with nothing to overlap,
     and the last stage sends its logits to every rank, which all draw the same token."""
-    import torch.distributed as dist
-
     rank, last = dist.get_rank(), dist.get_world_size() - 1
 
     def last_logits(context):
