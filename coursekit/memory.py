@@ -10,7 +10,8 @@ gradient). Per parameter, in bytes:
     bf16-mixed       4 + 2        4              8            16 + 2 per gathered copy
 
 bf16-mixed keeps fp32 "master" parameters, computes with bf16 copies, and reduces gradients in
-fp32 (the stage scripts' FSDP MixedPrecisionPolicy). Data-parallel strategies differ in what
+fp32 (the stage scripts' FSDP MixedPrecisionPolicy); fp16-mixed (GPUs without bf16) holds the
+same bytes. Data-parallel strategies differ in what
 they split over the N ranks (the ZeRO paper's stages):
 
     ddp     nothing: every rank holds everything
@@ -30,7 +31,8 @@ Model-parallel strategies split the model itself, so activations shrink too:
             activations of N microbatches in flight
 
 Activations are what forward keeps for backward; they grow with micro-batch x sequence length,
-not with the world size. Activation checkpointing keeps only each block's input and recomputes
+not with the world size. The peak comes as backward starts, when the gradients of the loss's
+(micro-batch x sequence x vocabulary) log-probabilities and logits join them. Activation checkpointing keeps only each block's input and recomputes
 the rest during backward.
 """
 import functools
@@ -41,7 +43,7 @@ from coursekit import KitError
 
 DATA_PARALLEL = ("ddp", "zero1", "zero2", "fsdp")  # each shards one more part than the last
 STRATEGIES = DATA_PARALLEL + ("tp", "pp")
-PRECISIONS = ("fp32", "bf16-mixed")
+PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed")
 DEVICE_GB = (40, 64, 80, 141)  # A100 40 GB, A100 64 GB / MI250X GCD, A100/H100 80 GB, H200
 ADAM_STATES = 2  # m and v, fp32
 
@@ -106,39 +108,52 @@ def activation_bytes(model, micro_batch, seq_len, precision, activation_checkpoi
     """Bytes that forward keeps for backward (Korthikanti et al. 2022, with flash attention, which
     stores no T x T attention matrix): about 34 bytes per token and width per block in 16-bit
     training (their 34sbh counts bytes: 2 per 16-bit value, 1 per dropout-mask entry), twice that
-    in fp32, for ``blocks`` blocks (default: all of them). The logits (fp32 for the loss) come on
-    top. With checkpointing, each block keeps its input only, and one
-    block's activations exist at a time during recomputation."""
+    in fp32, for ``blocks`` blocks (default: all of them). The loss's fp32 log-probabilities
+    (4 bytes per logit, in any precision) come on top. With checkpointing, each block keeps its
+    input only, and one block's activations exist at a time during recomputation."""
     blocks = model.n_layer if blocks is None else blocks
-    scale = 1 if precision == "bf16-mixed" else 2  # 34 bytes holds 2-byte values
+    scale = 2 if precision == "fp32" else 1  # 34 bytes holds 2-byte values
     tokens_width = micro_batch * seq_len * model.n_embd
     per_block = 34 * tokens_width * scale
     if activation_checkpointing:
         kept = blocks * 2 * tokens_width * scale + per_block
     else:
         kept = blocks * per_block
-    return kept + (micro_batch * seq_len * model.vocab_size * 4 * 2 if logits else 0)
+    return kept + (logit_count(model, micro_batch, seq_len) * 4 if logits else 0)
+
+
+def logit_count(model, micro_batch, seq_len):
+    return micro_batch * seq_len * model.vocab_size
+
+
+def logit_gradient_bytes(model, micro_batch, seq_len, precision):
+    """What the start of backward adds to the activations: the gradients of the log-probabilities
+    (fp32) and of the logits (in the logits' precision), 6 or 8 bytes per logit. With GPT-2's
+    vocabulary they outweigh a micro-batch's activations."""
+    return logit_count(model, micro_batch, seq_len) * (4 + (4 if precision == "fp32" else 2))
 
 
 def per_rank_bytes(model, strategy, world_size, precision="fp32", micro_batch=1, seq_len=None,
                    activation_checkpointing=False):
     """{part: bytes} that one of ``world_size`` ranks holds under ``strategy`` (for pp, the
-    busiest stage), and the total."""
+    busiest stage) at its peak, the start of backward, and the total."""
     if strategy not in STRATEGIES:
         raise KitError(f"strategy {strategy!r}: use one of {', '.join(STRATEGIES)}")
     if precision not in PRECISIONS:
         raise KitError(f"precision {precision!r}: use one of {', '.join(PRECISIONS)}")
     if not isinstance(world_size, int) or world_size < 1:
         raise KitError(f"world size {world_size!r}: use a whole number of ranks, 1 or more")
-    activations = functools.partial(activation_bytes, model, micro_batch,
-                                    seq_len or model.block_size, precision,
+    seq_len = seq_len or model.block_size
+    activations = functools.partial(activation_bytes, model, micro_batch, seq_len, precision,
                                     activation_checkpointing)
+    logit_gradients = logit_gradient_bytes(model, micro_batch, seq_len, precision)
     if strategy in DATA_PARALLEL:
         parts = data_parallel_bytes(model, DATA_PARALLEL.index(strategy), world_size, precision)
         parts["activations"] = activations()
     elif strategy == "tp":  # sequence parallel: every activation is split N ways too
         parts = replicated_bytes(model.tensor_parallel_parameters(world_size), precision)
         parts["activations"] = activations() / world_size
+        logit_gradients /= world_size  # the logits are split over the vocabulary
     else:
         stages = model.pipeline_stage_parameters(world_size)
         parts = replicated_bytes(max(stages), precision)
@@ -146,6 +161,8 @@ def per_rank_bytes(model, strategy, world_size, precision="fp32", micro_batch=1,
         first_blocks = model.pipeline_stage_blocks(world_size)[0]
         parts["activations"] = world_size * activations(blocks=first_blocks,
                                                         logits=world_size == 1)
+        logit_gradients *= world_size == 1  # the busiest stage is the first, without the head
+    parts["logit_grads"] = logit_gradients
     parts["total"] = sum(parts.values())
     return parts
 
@@ -160,7 +177,7 @@ def data_parallel_bytes(model, level, world_size, precision):
         "grads": 4 * n * share(level >= 2),
         "optimizer": 4 * ADAM_STATES * n * share(level >= 1),
     }
-    if precision == "bf16-mixed":  # bf16 copies to compute with: all of them, or a block's worth
+    if precision != "fp32":  # 16-bit copies to compute with: all of them, or a block's worth
         parts["params"] += 2 * (model.block_parameters if level >= 3 else n)
     return parts
 
@@ -168,15 +185,20 @@ def data_parallel_bytes(model, level, world_size, precision):
 def replicated_bytes(n, precision):
     """A rank that holds ``n`` parameters whole, with their gradients and Adam state."""
     parts = {"params": 4 * n, "grads": 4 * n, "optimizer": 4 * ADAM_STATES * n}
-    if precision == "bf16-mixed":
+    if precision != "fp32":
         parts["params"] += 2 * n
     return parts
 
 
-def fits(total_bytes, usable=0.9):
-    """{device GB: does it fit?}, leaving a tenth of each device to the CUDA context, the
-    allocator's fragmentation and communication buffers."""
-    return {gb: total_bytes <= usable * gb * 1e9 for gb in DEVICE_GB}
+def fits(total_bytes):
+    """{device GB: does it fit?} for the usual device sizes (fits_in)."""
+    return {gb: fits_in(total_bytes, gb) for gb in DEVICE_GB}
+
+
+def fits_in(total_bytes, device_gb, usable=0.9):
+    """Does it fit a device of ``device_gb`` GB, leaving a tenth of it to the CUDA context, the
+    allocator's fragmentation and communication buffers?"""
+    return total_bytes <= usable * device_gb * 1e9
 
 
 # --- what a training process holds, measured ---------------------------------------------------

@@ -12,11 +12,13 @@ from pathlib import Path
 
 import torch
 
-# Dense (no sparsity) peak FLOP/s per device as torch sees it, in the precision the stage scripts
-# train in on that device (bf16 tensor cores). Vendor datasheets; an AMD MI250X shows up as two
-# devices (GCDs), so its entry is half of the card's 383 TFLOP/s. An entry matches whole words of
-# the name torch.cuda.get_device_name gives ("NVIDIA H100 NVL", "Tesla V100-SXM2-32GB"), and the
-# most specific entry wins: "H100 NVL" over "H100", and "L4" never matches an L40.
+# Dense (no sparsity) peak FLOP/s of the 16-bit tensor cores, per device as torch sees it: bf16
+# and fp16 run at the same rate on every part listed, except those in FP16_ONLY, which have no bf16
+# units. fp32 training has no entry (its peak depends on TF32 and is measured). Vendor datasheets;
+# an AMD MI250X shows up as two devices (GCDs), so its entry is half of the card's 383 TFLOP/s. An
+# entry matches whole words of the name torch.cuda.get_device_name gives ("NVIDIA H100 NVL",
+# "Tesla V100-SXM2-32GB"), and the most specific entry wins: "H100 NVL" over "H100", and "L4"
+# never matches an L40.
 PEAK_FLOPS = {
     "H200": 989e12,
     "GH200": 989e12,
@@ -39,6 +41,7 @@ PEAK_FLOPS = {
     "MI250": 181e12,
     "MI210": 181e12,
 }
+FP16_ONLY = {"V100", "T4"}
 
 
 def matmul_params(n_layer, n_embd, vocab_size):
@@ -68,13 +71,19 @@ def words(name):
     return re.findall(r"[a-z0-9]+", name.lower())
 
 
-def table_peak_flops(device_name):
-    """Peak FLOP/s from the table for a device name, or None if it is not listed: the entry with
-    the most words among those whose words appear in the name, in a row."""
+def table_peak_flops(device_name, dtype=torch.bfloat16):
+    """Peak FLOP/s from the table for a device name and the dtype its matmuls run in, or None if
+    it is not listed: the entry with the most words among those whose words appear in the name,
+    in a row."""
     name = words(device_name)
     found = [entry for entry in PEAK_FLOPS
              if any(name[i:i + len(words(entry))] == words(entry) for i in range(len(name)))]
-    return PEAK_FLOPS[max(found, key=lambda entry: len(words(entry)))] if found else None
+    if not found or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    entry = max(found, key=lambda entry: len(words(entry)))
+    if dtype == torch.bfloat16 and entry in FP16_ONLY:
+        return None
+    return PEAK_FLOPS[entry]
 
 
 _measured = {}
@@ -115,12 +124,13 @@ def device_name(device):
 
 
 def peak_flops(device, dtype=torch.float32):
-    """(peak FLOP/s, where the number comes from) for a device: the datasheet table for known
-    accelerators, a measured matmul otherwise (CPUs, unknown GPUs)."""
+    """(peak FLOP/s, where the number comes from) for a device computing in ``dtype``: the
+    datasheet table for known accelerators in 16-bit, a measured matmul otherwise (CPUs, unknown
+    GPUs, fp32, bf16 where the hardware emulates it)."""
     name = device_name(device)
-    flops = table_peak_flops(name) if torch.device(device).type != "cpu" else None
+    flops = table_peak_flops(name, dtype) if torch.device(device).type != "cpu" else None
     if flops is not None:
-        return flops, f"datasheet bf16 peak of {name}"
+        return flops, f"datasheet {str(dtype).removeprefix('torch.')} peak of {name}"
     return measure_matmul_flops(device, dtype), f"measured {str(dtype).removeprefix('torch.')} " \
                                                  f"matmul on {name}"
 

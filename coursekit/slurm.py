@@ -38,7 +38,7 @@ from pathlib import Path
 
 import yaml
 
-from coursekit import KIT_ROOT, KitError, launch, presets, stages
+from coursekit import KIT_ROOT, KitError, launch, memory, presets, stages
 
 TOPOLOGY = re.compile(r"^(\d+)n(\d+)g$")
 VENDORS = ("nvidia", "amd", "none")
@@ -53,6 +53,8 @@ FIELDS = {
     "max_time": (str, "the longest time limit the partition (and QoS) allows, [D-]HH:MM:SS"),
     "gpu_vendor": (str, f"one of {', '.join(VENDORS)} (none: CPU processes over gloo)"),
     "gpus_per_node": (int, "GPUs in a node (for none: processes a node can run)"),
+    "gpu_memory_gb": (int, "GB of memory of each GPU (for none: GB each process may use); the "
+                           "batch files use the largest micro-batch that fits it"),
     "cpus_per_gpu": (int, "CPU cores that go with each GPU"),
     "cpus_per_node": (int, "CPU cores Slurm can give the jobs in a node"),
     "memory_per_node": (int, "MB of memory Slurm can give jobs in a node"),
@@ -175,11 +177,21 @@ def load_site(name, root=KIT_ROOT):
             raise KitError(f"{path}: field '{field}' is {profile[field]!r}; "
                            f"use one of {', '.join(allowed)}")
     check_shell_text(path, profile)
+    check_side_channel(path, profile["env"])
     presets.get_preset(profile["preset"])
     profile["name"] = name
     profile["topologies"] = [parse_topology(t, path, profile["gpus_per_node"])
                              for t in profile["topologies"]]
     return profile
+
+
+def check_side_channel(path, env):
+    """A site that tells NCCL which network interface to use tells gloo too: gloo carries the
+    barriers, the checkpoints' plans and the object collectives, and on a node whose hostname
+    resolves to a management network it would try that one, and hang."""
+    if "NCCL_SOCKET_IFNAME" in env and "GLOO_SOCKET_IFNAME" not in env:
+        raise KitError(f"{path}: env sets NCCL_SOCKET_IFNAME but not GLOO_SOCKET_IFNAME; set both "
+                       "(to the same interfaces, as a rule)")
 
 
 def parse_topology(text, path, gpus_per_node):
@@ -226,14 +238,47 @@ def model_parallel_flags(stage, profile, topology):
         tp = tensor_parallel_size(profile, topology)
         return [f"--tp {tp}"], topology.processes // tp
     if stage == "pp":  # every process is a stage: one replica, at least a microbatch per stage
-        preset = presets.get_preset(profile["preset"])
-        samples = preset.batch_tokens // preset.seq_len
-        default = samples // preset.micro_batch
-        microbatches = min(m for m in range(max(default, topology.processes), samples + 1)
-                           if samples % m == 0)
-        flags = [f"--micro-batch {samples // microbatches}"] if microbatches != default else []
-        return flags, 1
+        return pipeline_flags(profile, topology), 1
     return [], topology.processes
+
+
+def pipeline_flags(profile, topology):
+    """The pp stage cuts the minibatch into M microbatches: at least one per stage, more (each
+    smaller) until the busiest stage fits the GPU."""
+    preset = presets.get_preset(profile["preset"])
+    samples = preset.batch_tokens // preset.seq_len
+    default = samples // preset.micro_batch
+    for microbatches in range(max(default, topology.processes), samples + 1):
+        micro = samples // microbatches
+        if samples % microbatches == 0 and fits_gpu("pp", profile, topology, micro):
+            return [f"--micro-batch {micro}"] if micro != preset.micro_batch else []
+    raise too_big("pp", profile, topology)
+
+
+# --- what fits a GPU's memory ---------------------------------------------------------------------
+def memory_model(stage, profile, topology):
+    """(strategy, ranks) as coursekit.memory models the stage on the topology. tp is counted
+    without the FSDP that shards its replicas too: an upper bound."""
+    if stage == "tp":
+        return "tp", tensor_parallel_size(profile, topology)
+    return {"fsdp": "fsdp", "pp": "pp"}.get(stage, "ddp"), topology.processes
+
+
+def fits_gpu(stage, profile, topology, micro_batch):
+    """Does a process of the stage fit the profile's GPU memory at ``micro_batch``, by
+    coursekit.memory's count of its peak, a tenth of the GPU to spare? 16-bit on GPUs."""
+    preset = presets.get_preset(profile["preset"])
+    strategy, ranks = memory_model(stage, profile, topology)
+    precision = "fp32" if profile["gpu_vendor"] == "none" else "bf16-mixed"
+    peak = memory.per_rank_bytes(memory.Model.from_preset(preset), strategy, ranks, precision,
+                                 micro_batch, preset.seq_len)["total"]
+    return memory.fits_in(peak, profile["gpu_memory_gb"])
+
+
+def too_big(stage, profile, topology):
+    return KitError(f"the {profile['preset']} preset does not fit a {profile['gpu_memory_gb']} GB "
+                    f"GPU with the {stage} stage on {topology.name}, even one sample at a time: "
+                    "use more GPUs, a sharding stage (fsdp), or a smaller preset")
 
 
 # --- the text of a batch file -------------------------------------------------------------------
@@ -256,17 +301,23 @@ def sbatch_lines(profile, job_name, nodes, tasks_per_node, cpus_per_task, gpus=0
     return [f"#SBATCH {line}" for line in lines]
 
 
-def batch_split_flags(profile, replicas):
-    """Flags that make the preset's minibatch split evenly over the data-parallel replicas. A
-    smaller micro-batch keeps the recipe (the same tokens per step, only the memory changes); when
-    none fits, the minibatch grows to the next multiple of micro-batch x sequence x replicas."""
+def batch_split_flags(stage, profile, topology, replicas):
+    """Flags that make the preset's minibatch split evenly over the data-parallel replicas, in
+    micro-batches that fit the GPU: the largest up to the preset's that does both keeps the recipe
+    (the same tokens per step, only the memory changes). When none splits evenly, the minibatch
+    grows to the next multiple of micro-batch x sequence x replicas."""
     preset = presets.get_preset(profile["preset"])
+    fitting = [m for m in range(preset.micro_batch, 0, -1) if fits_gpu(stage, profile, topology, m)]
+    if not fitting:
+        raise too_big(stage, profile, topology)
     per_sample = preset.seq_len * replicas
-    for micro in range(preset.micro_batch, 0, -1):
+    micro_flag = lambda micro: "" if micro == preset.micro_batch else f"--micro-batch {micro}"  # noqa: E731
+    for micro in fitting:
         if preset.batch_tokens % (micro * per_sample) == 0:
-            return "" if micro == preset.micro_batch else f"--micro-batch {micro}"
-    per_step = preset.micro_batch * per_sample
-    return f"--batch-tokens {-(-preset.batch_tokens // per_step) * per_step}"
+            return micro_flag(micro)
+    per_step = fitting[0] * per_sample
+    return " ".join([micro_flag(fitting[0]),
+                     f"--batch-tokens {-(-preset.batch_tokens // per_step) * per_step}"]).strip()
 
 
 def one_task_per_gpu(stage, profile):
@@ -292,8 +343,9 @@ def launch_command(stage, profile, topology, run_dir):
     args = [f"solutions/train_gpt2_{stage}.py --preset {profile['preset']} "
             f"--data {profile['data']} --out {run_dir} --resume"]
     parallel, replicas = model_parallel_flags(stage, profile, topology)
-    extra = (" ".join(parallel).split() + batch_split_flags(profile, replicas).split()
-             + profile["train_args"].split())
+    if stage != "pp":  # pp's flags cut its minibatch into microbatches already
+        parallel.append(batch_split_flags(stage, profile, topology, replicas))
+    extra = " ".join(parallel).split() + profile["train_args"].split()
     if profile["gpu_vendor"] == "none":
         extra += ["--device", "cpu"]
     if stage == "lit":

@@ -7,6 +7,8 @@ loop and the parallelism stay in the scripts: they are what the lessons teach.
     parser.add_argument("--tp", ...)                     # and the stage's own
     args = training.parse_args(parser, argv, check=check_tp)  # the stage's own checks, if any
 """
+import argparse
+import functools
 import signal
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -14,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from coursekit import KitError, data, distributed, perf, presets, runs, tracking
 from coursekit.cli import ArgumentParser, non_negative_float, positive_float, positive_int
@@ -48,7 +51,11 @@ def argument_parser(doc, stage):
     parser.add_argument("--ckpt-interval", type=positive_int, help="steps between checkpoints")
     parser.add_argument("--seed", type=int, default=1337)
     parser.add_argument("--device", default="auto", choices=["auto", "cuda", "xpu", "cpu"])
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--precision", choices=PRECISIONS, default="auto",
+                        help="auto: bf16 on GPUs that compute in it, fp16 with loss scaling on "
+                             "older ones, fp32 on a CPU")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                        help="torch.compile the model and loss (default: on GPUs, not on a CPU)")
     parser.add_argument("--sample-tokens", type=int, default=64, help="tokens generated at the end")
     parser.add_argument("--prompt", default="The", help="start of the generated sample")
     tracking.add_argument(parser)
@@ -83,6 +90,8 @@ def fill_defaults(args, preset):
     if args.warmup_steps is None:  # a short run warms up for a tenth of its steps at most
         args.warmup_steps = min(preset.warmup_steps, args.max_steps // 10)
     args.out = args.out or f"runs/{args.stage}-{preset.name}"
+    if args.compile is None:  # compiling pays on a GPU; on a CPU it costs more than it saves
+        args.compile = args.device in ("auto", "cuda") and torch.cuda.is_available()
 
 
 def check_args(args, preset):
@@ -126,16 +135,93 @@ def batch_split(args, data_parallel):
 
 # --- the device's precision -------------------------------------------------------------------
 
-def prepare_device(device):
-    """(autocast, its name): bf16 autocast on GPUs that have it (matmuls in bf16, weights and
-    optimiser in fp32), fp32 elsewhere; and the device's own settings for speed."""
+PRECISIONS = ("auto", "bf16", "fp16", "fp32")
+#: AMD GPUs whose matrix cores compute in bf16: MI100 (gfx908), MI200 (gfx90a), MI300 (gfx94x),
+#: MI350 (gfx95x), and the RDNA3/4 cards (gfx11, gfx12)
+AMD_BF16_ARCHS = ("gfx908", "gfx90a", "gfx94", "gfx95", "gfx11", "gfx12")
+
+
+def hardware_precision(device_type, capability=None, amd_arch=None):
+    """The 16-bit format a device's matrix units compute in: bf16 on NVIDIA GPUs from Ampere
+    (compute capability 8.0: A100, H100, L4, RTX 30xx), AMD's CDNA and RDNA3 parts, and Intel's
+    GPUs; fp16 on older ones (V100, T4), which torch.cuda.is_bf16_supported() calls bf16-capable
+    because it emulates bf16, slowly; fp32 on a CPU, where the course keeps full precision."""
+    if device_type == "xpu":
+        return "bf16"
+    if device_type != "cuda":
+        return "fp32"
+    if amd_arch is not None:
+        return "bf16" if amd_arch.startswith(AMD_BF16_ARCHS) else "fp16"
+    return "bf16" if capability >= (8, 0) else "fp16"
+
+
+def device_precision(device):
+    """hardware_precision of this process's device."""
+    if device.type != "cuda":
+        return hardware_precision(device.type)
+    if torch.version.hip:
+        return hardware_precision("cuda", amd_arch=torch.cuda.get_device_properties(device).gcnArchName)
+    return hardware_precision("cuda", capability=torch.cuda.get_device_capability(device))
+
+
+class Precision:
+    """How a stage computes on its device, by name:
+
+        bf16   bf16 autocast: matmuls in bf16, weights, gradients and optimiser state in fp32
+        fp16   the same in fp16, with loss scaling: fp16 has bf16's precision and more, but
+               gradients below 6e-8 become 0 in it, so the loss is multiplied by a large scale
+               before backward and the gradients divided by it before the optimiser step; a step
+               whose gradients overflowed (inf or NaN) is skipped and the scale halved
+        fp32   no autocast
+
+    ``autocast`` is the context forward runs in; ``scaler`` a torch.amp.GradScaler that does
+    nothing unless fp16. Across processes it is the sharded kind: all skip a step together when
+    any one's gradients overflowed."""
+
+    def __init__(self, name, device):
+        self.name = name
+        self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
+        self.autocast = (torch.autocast(device_type=device.type, dtype=self.dtype)
+                         if self.dtype else nullcontext())
+        scaler = ShardedGradScaler if dist.is_initialized() else torch.amp.GradScaler
+        self.scaler = scaler(device.type, enabled=name == "fp16")
+
+    def in_autocast(self, forward):
+        """``forward``, run in autocast: for code whose backward runs elsewhere (a pipeline
+        schedule runs both), as backward itself must not run in autocast."""
+        @functools.wraps(forward)
+        def forward_in_autocast(*args, **kwargs):
+            with self.autocast:
+                return forward(*args, **kwargs)
+        return forward_in_autocast
+
+    @property
+    def description(self):
+        return {"bf16": "bf16 autocast", "fp16": "fp16 autocast, loss scaling",
+                "fp32": "fp32"}[self.name]
+
+
+def prepare_device(device, requested="auto", loss_scaling=True):
+    """The Precision to train in (``requested``, or for "auto" the one the device's hardware
+    computes fast), and the device's own settings for speed. A stage that cannot scale its loss
+    trains fp32 where the hardware has no bf16, and refuses fp16."""
     if device.type == "cpu":
         perf.keep_freed_cpu_memory()  # reuse freed tensors' pages instead of re-faulting them
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any matmul left in fp32
-        if torch.cuda.is_bf16_supported():
-            return torch.autocast(device_type="cuda", dtype=torch.bfloat16), "bf16 autocast"
-    return nullcontext(), "fp32"
+    return Precision(choose_precision(device, requested, loss_scaling), device)
+
+
+def choose_precision(device, requested="auto", loss_scaling=True):
+    """The name of the precision prepare_device gives. Without loss scaling (torch's pipeline
+    schedules run backward themselves, so there is no place to scale the loss) fp16 is refused."""
+    name = device_precision(device) if requested == "auto" else requested
+    if name == "fp16" and not loss_scaling:
+        if requested == "fp16":
+            raise KitError("--precision fp16: this stage cannot scale its loss; use bf16 (on GPUs "
+                           "that have it) or fp32")
+        name = "fp32"
+    return name
 
 
 # --- stopping, and the random state -----------------------------------------------------------
@@ -170,21 +256,30 @@ def set_rng_state(state, device):
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+# --- data to the device -----------------------------------------------------------------------
+
+def to_device(batch, device):
+    """A batch's tensors on ``device``; to a GPU from pinned (page-locked) memory and without
+    waiting for the copy, which then overlaps the work the CPU goes on queueing."""
+    if device.type != "cuda":
+        return [t.to(device) for t in batch]
+    return [t.pin_memory().to(device, non_blocking=True) for t in batch]
+
+
 # --- the run's config and banner --------------------------------------------------------------
 
 def run_config(args, preset, model_config, parameters, device, precision, **stage_facts):
-    """What config.json records of a run: the arguments, the model, the device and its peak,
-    and the stage's own facts (world_size, grad_accum, ...). A device the peak table does not
-    know gets the peak of a matmul measured in the precision it trains in."""
-    matmul_dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
-    peak, peak_source = perf.peak_flops(device, matmul_dtype)
+    """What config.json records of a run: the arguments, the model, the device and its peak in
+    the run's Precision, and the stage's own facts (world_size, grad_accum, ...). A device the
+    peak table does not know gets the peak of a matmul measured in the precision it trains in."""
+    peak, peak_source = perf.peak_flops(device, precision.dtype or torch.float32)
     return {
         "stage": args.stage, "args": vars(args), "preset": preset.as_dict(),
         "model": asdict(model_config), "parameters": parameters, **stage_facts,
         "flops_per_token": perf.flops_per_token(model_config.n_layer, model_config.n_embd,
                                                 args.seq_len, model_config.vocab_size),
         "peak_flops": peak, "peak_source": peak_source, "device": str(device),
-        "device_name": perf.device_name(device), "precision": precision,
+        "device_name": perf.device_name(device), "precision": precision.description,
         "torch": torch.__version__,
     }
 
@@ -209,14 +304,17 @@ def print_banner(config, train_tokens):
           f"{steps * tokens / train_tokens:.2f} epochs of {train_tokens:,} training tokens")
 
 
-def step_line(record, max_steps):
-    """The parseable line each step prints (metrics.jsonl holds the same record)."""
-    line = (f"step {record['step']}/{max_steps} | loss {record['loss']:.4f} | "
+def step_line(record, args, first=False):
+    """The parseable line each step prints (metrics.jsonl holds the same record). The ``first``
+    step of a run with --compile includes the compiling: it says so, and its time is the cost."""
+    line = (f"step {record['step']}/{args.max_steps} | loss {record['loss']:.4f} | "
             f"lr {record['lr']:.1e} | grad_norm {record['grad_norm']:.2f} | "
             f"{record['ms']:.1f} ms | {record['tok_per_s']:,.0f} tok/s | "
             f"mfu {100 * record['mfu']:.1f}%")
     if "val_loss" in record:
         line += f" | val {record['val_loss']:.4f}"
+    if first and args.compile:
+        line += " | compiled the model in this step"
     return line
 
 

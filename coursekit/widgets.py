@@ -35,7 +35,7 @@ MODELS = {
     "7B shape": memory.Model(32, 4096, 32, 32000, 4096),
     "70B shape": memory.Model(80, 8192, 64, 32000, 4096),
 }
-PARTS = ("params", "grads", "optimizer", "activations", "total")
+PARTS = ("params", "grads", "optimizer", "activations", "logit_grads", "total")
 
 
 def memory_table(model_name, strategy, world_size, precision, micro_batch, seq_len,

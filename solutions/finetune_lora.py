@@ -35,6 +35,8 @@ from coursekit import KitError, faults, hub, instruct, perf, runs, tracking, tra
 from coursekit.cli import ArgumentParser, positive_float, positive_int
 
 STAGE = "lora"
+#: the dtype the matmuls run in under each --precision: the peak FLOP/s the MFU is measured against
+MATMUL_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "no": torch.float32}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -420,7 +422,8 @@ def parse_args(argv=None):
                         help="longest answer generated in evaluation")
     parser.add_argument("--ckpt-interval", type=positive_int, help="steps between checkpoints")
     parser.add_argument("--precision", choices=["auto", "bf16", "fp16", "no"], default="auto",
-                        help="mixed precision (auto: bf16 where the GPU has it, else fp32)")
+                        help="mixed precision (auto: bf16 where the GPU has it in hardware, fp16 on "
+                             "older GPUs, else fp32)")
     parser.add_argument("--seed", type=int, default=1337)
     args = parser.parse_args(argv)
     try:
@@ -441,9 +444,10 @@ def check_args(args):
             setattr(args, name, getattr(defaults, name))
     if args.warmup_steps is None:
         args.warmup_steps = args.max_steps // 10
-    if args.precision == "auto":
-        args.precision = "bf16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() \
-            else "no"
+    if args.precision == "auto":  # what the GPU computes fast (Accelerate scales fp16's loss)
+        gpu = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+        hardware = training.device_precision(gpu)
+        args.precision = "no" if hardware == "fp32" else hardware
     args.out = args.out or f"runs/{STAGE}-{args.preset}"
     if "," in args.target_modules:
         args.target_modules = [m.strip() for m in args.target_modules.split(",") if m.strip()]
@@ -524,7 +528,7 @@ def main(argv=None):
     # FLOPs per weight and token: 2 forward, 2 backward for the input's gradient, 2 more for the
     # weight's gradient where weights train (full fine-tuning); LoRA's adapters are negligible
     per_weight = 4 if args.method == "lora" else 6
-    peak, peak_source = perf.peak_flops(accelerator.device)
+    peak, peak_source = perf.peak_flops(accelerator.device, MATMUL_DTYPES[args.precision])
     runs.make_run_dir(run_dir)
     start_step = resume(accelerator, run_dir) if args.resume else 0
     for _ in range(start_step):  # the schedule depends on the step alone: replaying it is exact

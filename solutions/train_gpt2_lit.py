@@ -17,6 +17,7 @@ The words of the course, as this script uses them:
 """
 import importlib.util
 import os
+import re
 import sys
 import time
 import warnings
@@ -26,7 +27,7 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.utilities import grad_norm
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -61,9 +62,38 @@ class TokenShardLoader(ddp.TokenShardLoader):
         return self.total_tokens // (self.B * self.T * self.world_size)  # read ahead of the step
 
 
-def configure_optimizer(model, lr, weight_decay):
-    # not fused: Lightning clips the gradients itself, and refuses a fused optimizer on GPUs
-    return ddp.configure_optimizer(model, lr, weight_decay, torch.device("cpu"))
+def matrix_names(model):
+    """The parameters weight decay applies to: the matrices (the ddp stage decays those with two
+    dimensions or more). Taken by name before the Trainer wraps the model: under FSDP,
+    configure_optimizers sees each rank's shard of a parameter, flattened to one dimension."""
+    return {name for name, p in model.named_parameters() if p.dim() >= 2}
+
+
+def unwrapped_name(name):
+    """A parameter's name without the wrappers' parts: FSDP's, activation checkpointing's."""
+    return re.sub(r"(_fsdp_wrapped_module|_checkpoint_wrapped_module)\.", "", name)
+
+
+def configure_optimizer(model, matrices, lr, weight_decay):
+    """AdamW with weight decay on the ``matrices`` (names), not on biases and LayerNorm gains; not
+    fused: Lightning clips the gradients itself, and refuses a fused optimizer on GPUs."""
+    named = [(unwrapped_name(name), p) for name, p in model.named_parameters() if p.requires_grad]
+    groups = [{"params": [p for name, p in named if name in matrices], "weight_decay": weight_decay},
+              {"params": [p for name, p in named if name not in matrices], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+def gradient_norm(model, strategy):
+    """The norm of every gradient, before clipping. Under FSDP each rank holds a shard of each:
+    the squares of every rank's shards add up. DeepSpeed keeps its gradients to itself (a
+    parameter's .grad may be None): its engine reports the norm after its step instead."""
+    if isinstance(strategy, DeepSpeedStrategy):
+        return None
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    if isinstance(strategy, FSDPStrategy):
+        norm = strategy.reduce(norm**2, reduce_op="sum").sqrt()
+    return norm
 
 
 # ----------------------------------------------------------------------------------------------
@@ -74,6 +104,7 @@ class LitGPT(L.LightningModule):
     def __init__(self, config, args, preset, grad_accum):
         super().__init__()
         self.gpt = GPT(config)
+        self.matrices = matrix_names(self.gpt)  # before the Trainer wraps (and may shard) it
         if args.compile:
             self.gpt.compile()  # in place: state_dict keys stay the same as without compile
         self.args, self.preset, self.grad_accum = args, preset, grad_accum
@@ -93,12 +124,14 @@ class LitGPT(L.LightningModule):
         return DataLoader(TensorDataset(torch.cat(x), torch.cat(y)), self.args.micro_batch)
 
     def configure_optimizers(self):
-        optimizer = configure_optimizer(self.gpt, self.args.lr, self.args.weight_decay)
+        optimizer = configure_optimizer(self.gpt, self.matrices, self.args.lr,
+                                        self.args.weight_decay)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: ddp.learning_rate(
             step, 1.0, self.args.warmup_steps, self.args.max_steps))  # a factor of --lr
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
     def on_train_start(self):
+        self.first_step = self.global_step + 1  # of this run: with --compile, it compiles
         if self.trainer.is_global_zero:  # after a resume, global_step is the checkpoint's step
             runs.start_run(self.run_dir, self.run_config, self.global_step)
             self.tracker = tracking.tracker_for(self.logger, self.run_dir,
@@ -115,7 +148,7 @@ class LitGPT(L.LightningModule):
         return loss
 
     def on_before_optimizer_step(self, optimizer):  # before Lightning clips: the raw norm
-        self.grad_norm = grad_norm(self.gpt, norm_type=2)["grad_2.0_norm_total"]
+        self.grad_norm = gradient_norm(self.gpt, self.trainer.strategy)
         self.lr = optimizer.param_groups[0]["lr"]
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
@@ -125,6 +158,8 @@ class LitGPT(L.LightningModule):
         dt = time.perf_counter() - self.t0
         tokens_per_s = self.args.batch_tokens / dt
         per_device = tokens_per_s / self.trainer.world_size
+        if self.grad_norm is None:  # DeepSpeed's, of the step it took
+            self.grad_norm = torch.tensor(self.trainer.model.get_global_grad_norm() or 0.0)
         record = {"step": self.global_step, "loss": loss, "lr": self.lr,
                   "grad_norm": self.grad_norm.item(), "ms": dt * 1000, "tok_per_s": tokens_per_s,
                   "mfu": perf.mfu(per_device, self.run_config["flops_per_token"],
@@ -156,7 +191,8 @@ class LitGPT(L.LightningModule):
         self.pending = None
         if not self.trainer.is_global_zero:
             return
-        print(training.step_line(record, self.args.max_steps), flush=True)
+        print(training.step_line(record, self.args, record["step"] == self.first_step),
+              flush=True)
         runs.append_metrics(self.run_dir, record)
         self.tracker.log_step(record)
 
@@ -175,9 +211,13 @@ def uses_gpu(args):
     return torch.cuda.is_available() and args.device in ("auto", "cuda")
 
 
+#: the kit's precisions by Lightning's names: 16-bit autocast with fp32 weights, or fp32
+LIGHTNING_PRECISION = {"bf16": "bf16-mixed", "fp16": "16-mixed", "fp32": "32-true"}
+
+
 def make_trainer(args, grad_accum):
     gpu = uses_gpu(args)
-    bf16 = gpu and torch.cuda.is_bf16_supported()
+    precision = training.choose_precision(torch.device("cuda" if gpu else "cpu"), args.precision)
     checkpoints = ModelCheckpoint(dirpath=Path(args.out) / "ckpt", filename="step_{step:08d}",
                                   auto_insert_metric_name=False, save_top_k=1, save_last="link",
                                   every_n_train_steps=args.ckpt_interval)
@@ -185,7 +225,7 @@ def make_trainer(args, grad_accum):
         return L.Trainer(
             accelerator="gpu" if gpu else "cpu", devices=device_count(args),
             num_nodes=args.num_nodes, strategy=args.strategy,
-            precision="bf16-mixed" if bf16 else "32-true",  # bf16 autocast, fp32 weights
+            precision=LIGHTNING_PRECISION[precision],  # fp16: Lightning scales the loss
             max_steps=args.max_steps, accumulate_grad_batches=grad_accum,
             gradient_clip_val=presets.get_preset(args.preset).grad_clip,
             val_check_interval=args.eval_interval * grad_accum,  # counted in microbatches
@@ -263,11 +303,12 @@ def main(argv=None):
     module = LitGPT(config, args, preset, grad_accum)
     trainer = make_trainer(args, grad_accum)
     device = trainer.strategy.root_device
-    training.prepare_device(device)  # its settings for speed; Lightning brings its own autocast
+    # the device's settings for speed; Lightning brings its own autocast (and loss scaling)
+    precision = training.prepare_device(device, args.precision)
 
     n_params = sum(p.numel() for p in module.gpt.parameters())
     module.run_config = training.run_config(
-        args, preset, config, n_params, device, trainer.precision, grad_accum=grad_accum,
+        args, preset, config, n_params, device, precision, grad_accum=grad_accum,
         world_size=trainer.world_size, strategy=type(trainer.strategy).__name__,
         lightning=L.__version__)
     if trainer.is_global_zero:

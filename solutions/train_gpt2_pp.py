@@ -142,27 +142,26 @@ def clip_grad_norm(model, max_norm):
     return norm
 
 
-def run_pipeline(run, stage, x, y, autocast, **kwargs):
+def run_pipeline(run, stage, x, y, **kwargs):
     """A minibatch through the schedule's step (train) or eval, cut into its M microbatches: the
     first stage feeds the inputs, the last the targets. Returns N x the mean loss on the last of
     the N stages, 0 on the others: averaged over the ranks (all_reduce_mean), the loss."""
     losses = []
-    with autocast:
-        run(*([x] if stage.is_first else []), target=y if stage.is_last else None,
-            losses=losses, **kwargs)
+    run(*([x] if stage.is_first else []), target=y if stage.is_last else None, losses=losses,
+        **kwargs)
     if not losses:
         return torch.zeros((), device=x.device)
     return torch.stack(losses).detach().mean() * dist.get_world_size()
 
 
 @torch.no_grad()
-def evaluate(model, schedule, stage, val_loader, eval_steps, device, autocast):
+def evaluate(model, schedule, stage, val_loader, eval_steps, device):
     model.eval()
     val_loader.load_state_dict({"shard": 0, "offset": 0, "epoch": 0})  # same batches every time
     total = 0.0
     for _ in range(eval_steps):
         x, y = val_loader.next_batch()
-        total += run_pipeline(schedule.eval, stage, x.to(device), y.to(device), autocast)
+        total += run_pipeline(schedule.eval, stage, x.to(device), y.to(device))
     model.train()
     return distributed.all_reduce_mean(total / eval_steps).item()
 
@@ -222,7 +221,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     # this process's rank, the number of processes and its device: its GPU, or the CPU
     rank, world_size, device = distributed.setup(args.device)
-    autocast, precision = training.prepare_device(device)
+    precision = training.prepare_device(device, args.precision, loss_scaling=False)  # bf16/fp32
 
     preset = presets.get_preset(args.preset)
     config = GPTConfig(vocab_size=preset.vocab_size, block_size=preset.seq_len,
@@ -243,6 +242,7 @@ def main(argv=None):
     if args.compile:  # block by block, so FSDP's gathers stay between compiled regions
         for block in model.transformer.h.values():
             block.compile()
+    model.forward = precision.in_autocast(model.forward)  # not backward, which the schedule runs
     stage = PipelineStage(model, rank, world_size, device)  # stage `rank`: sends to rank + 1
     # scale_grads: loss_fn is each microbatch's mean, so the schedule divides the summed gradients
     # by M to give those of the minibatch's mean loss (what grad_accum did in the fsdp stage)
@@ -275,8 +275,8 @@ def main(argv=None):
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
-        x, y = [t.to(device) for t in train_loader.next_batch()]
-        loss_sum = run_pipeline(schedule.step, stage, x, y, autocast, return_outputs=False)
+        x, y = training.to_device(train_loader.next_batch(), device)
+        loss_sum = run_pipeline(schedule.step, stage, x, y, return_outputs=False)
         all_reduce_tied_gradient(model, tied_group)
         grad_norm = clip_grad_norm(model, preset.grad_clip)
         optimizer.step()
@@ -294,9 +294,8 @@ def main(argv=None):
                                   run_config["peak_flops"]),
                   "epoch": train_loader.epoch + train_loader.offset / train_loader.total_tokens}
         if done % args.eval_interval == 0 or done == args.max_steps:
-            record["val_loss"] = evaluate(model, schedule, stage, val_loader, val_passes, device,
-                                          autocast)
-        print(training.step_line(record, args.max_steps), flush=True)
+            record["val_loss"] = evaluate(model, schedule, stage, val_loader, val_passes, device)
+        print(training.step_line(record, args, step == start_step), flush=True)
         if rank == 0:
             runs.append_metrics(run_dir, record)
         tracker.log_step(record)

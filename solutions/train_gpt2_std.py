@@ -86,23 +86,23 @@ def learning_rate(step, max_lr, warmup_steps, max_steps, min_lr_ratio=0.1):
 # ----------------------------------------------------------------------------------------------
 # One step's forward and backward, evaluation, checkpoints
 # ----------------------------------------------------------------------------------------------
-def forward_backward(model, x, y, grad_accum, autocast):
+def forward_backward(model, x, y, grad_accum, precision):
     """One microbatch: forward, then backward of its share of the minibatch's mean loss."""
-    with autocast:
+    with precision.autocast:
         loss = cross_entropy(model(x), y)
     loss = loss / grad_accum  # gradients of the minibatch mean, not a sum of means
-    loss.backward()
+    precision.scaler.scale(loss).backward()  # fp16: scaled, so small gradients stay above 0
     return loss.detach()
 
 
 @torch.no_grad()
-def evaluate(model, val_loader, eval_steps, device, autocast):
+def evaluate(model, val_loader, eval_steps, device, precision):
     model.eval()
     val_loader.load_state_dict({"shard": 0, "offset": 0, "epoch": 0})  # same batches every time
     total = 0.0
     for _ in range(eval_steps):
         x, y = val_loader.next_batch()
-        with autocast:
+        with precision.autocast:
             loss = cross_entropy(model(x.to(device)), y.to(device))
         total += loss.detach()
     model.train()
@@ -144,7 +144,7 @@ def main(argv=None):
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     device = distributed.device_for(0, args.device)  # the first GPU there is, else the CPU
-    autocast, precision = training.prepare_device(device)
+    precision = training.prepare_device(device, args.precision)
 
     preset = presets.get_preset(args.preset)
     config = GPTConfig(vocab_size=preset.vocab_size, block_size=preset.seq_len,
@@ -178,10 +178,12 @@ def main(argv=None):
         optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=device)
         for micro in range(grad_accum):
-            x, y = [t.to(device) for t in train_loader.next_batch()]
-            loss_sum += forward_backward(model, x, y, grad_accum, autocast)
+            x, y = training.to_device(train_loader.next_batch(), device)
+            loss_sum += forward_backward(model, x, y, grad_accum, precision)
+        precision.scaler.unscale_(optimizer)  # fp16: the true gradients, to clip them
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), preset.grad_clip)
-        optimizer.step()
+        precision.scaler.step(optimizer)  # fp16: skipped if a gradient overflowed
+        precision.scaler.update()
         loss_value = loss_sum.item()  # waits for the device: the step time below is real
         stopping = stop.received is not None
         dt = time.perf_counter() - t0
@@ -194,8 +196,8 @@ def main(argv=None):
                                   run_config["peak_flops"]),
                   "epoch": train_loader.epoch + train_loader.offset / train_loader.total_tokens}
         if done % args.eval_interval == 0 or done == args.max_steps:
-            record["val_loss"] = evaluate(model, val_loader, args.eval_steps, device, autocast)
-        print(training.step_line(record, args.max_steps), flush=True)
+            record["val_loss"] = evaluate(model, val_loader, args.eval_steps, device, precision)
+        print(training.step_line(record, args, step == start_step), flush=True)
         runs.append_metrics(run_dir, record)
         tracker.log_step(record)
 

@@ -131,37 +131,37 @@ def apply_tp(model, tp_mesh):
     model.transformer.wte.weight = model.lm_head.weight  # sharding made two copies: tie again
 
 
-def apply_fsdp(model, device, mesh, cpu_offload):
+def apply_fsdp(model, mesh, cpu_offload, precision):
     """Shard every block, then the root (embeddings, final norm): each rank keeps 1/N of every
     parameter, gradient and optimiser state, and gathers a block's just before it runs."""
     settings = {"mesh": mesh}
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():  # gather in bf16, reduce in fp32
-        settings["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+    if precision.dtype is not None:  # gather in bf16 (or fp16), reduce in fp32
+        settings["mp_policy"] = MixedPrecisionPolicy(param_dtype=precision.dtype,
                                                      reduce_dtype=torch.float32)
     if cpu_offload:  # shards live in CPU memory; pinned pages make the copies to a GPU fast
-        settings["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        settings["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     for block in model.transformer.h.values():
         fully_shard(block, **settings)
-    fully_shard(model, **settings)
+    fully_shard(model, **settings, reshard_after_forward=False)  # kept gathered: used at both ends
 
 
-def forward_backward(model, x, y, grad_accum, autocast):
+def forward_backward(model, x, y, grad_accum, precision):
     """One microbatch: forward, then backward of its share of the minibatch's mean loss."""
-    with autocast:
+    with precision.autocast:
         loss = cross_entropy(model(x), y)
     loss = loss / grad_accum  # gradients of the minibatch mean, not a sum of means
-    loss.backward()
+    precision.scaler.scale(loss).backward()  # fp16: scaled, so small gradients stay above 0
     return loss.detach()
 
 
 @torch.no_grad()
-def evaluate(model, val_loader, eval_steps, device, autocast):
+def evaluate(model, val_loader, eval_steps, device, precision):
     model.eval()
     val_loader.load_state_dict({"shard": 0, "offset": 0, "epoch": 0})  # same batches every time
     total = 0.0
     for _ in range(eval_steps):
         x, y = val_loader.next_batch()
-        with autocast, loss_parallel():  # vocabulary-split logits: the loss of their slices
+        with precision.autocast, loss_parallel():  # vocabulary-split logits: the loss of their slices
             loss = cross_entropy(model(x.to(device)), y.to(device))
         total += loss.detach()
     model.train()
@@ -244,7 +244,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     # this process's rank, the number of processes and its device: its GPU, or the CPU
     rank, world_size, device = distributed.setup(args.device)
-    autocast, precision = training.prepare_device(device)
+    precision = training.prepare_device(device, args.precision)
 
     preset = presets.get_preset(args.preset)
     config = GPTConfig(vocab_size=preset.vocab_size, block_size=preset.seq_len,
@@ -260,7 +260,7 @@ def main(argv=None):
     mesh._flatten()  # a dp x tp group too: the gradient norm's sum in one all-reduce, not two
     print(f"mesh dp={dp} x tp={args.tp}")
     apply_tp(model, mesh["tp"])  # first: FSDP then shards each rank's tensor-parallel slices
-    apply_fsdp(model, device, mesh["dp"], args.cpu_offload)
+    apply_fsdp(model, mesh["dp"], args.cpu_offload, precision)
 
     B, T = args.micro_batch, args.seq_len
     grad_accum = training.batch_split(args, dp)  # the ranks of a TP group share each microbatch
@@ -288,15 +288,17 @@ def main(argv=None):
         optimizer.zero_grad(set_to_none=True)
         loss_sum = torch.zeros((), device=device)
         for micro in range(grad_accum):
-            x, y = [t.to(device) for t in train_loader.next_batch()]
+            x, y = training.to_device(train_loader.next_batch(), device)
             # reduce-scatter gradients after the last microbatch only: less traffic, but every
             # rank holds whole gradients until then (sync every microbatch if memory is short)
             model.set_requires_gradient_sync(micro == grad_accum - 1)
             with loss_parallel():  # cross-entropy of vocabulary-split logits, and its backward
-                loss_sum += forward_backward(model, x, y, grad_accum, autocast).full_tensor()
+                loss_sum += forward_backward(model, x, y, grad_accum, precision).full_tensor()
+        precision.scaler.unscale_(optimizer)  # fp16: the true gradients, to clip them
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), preset.grad_clip)
         grad_norm = grad_norm.full_tensor()  # the norm over every rank's shards
-        optimizer.step()
+        precision.scaler.step(optimizer)  # fp16: skipped if a gradient overflowed
+        precision.scaler.update()
         # the minibatch's mean loss over every rank, and whether any rank was told to stop (Slurm
         # signals each task at its own moment): one all-reduce; .item() waits for it too
         totals = distributed.all_reduce_mean(torch.stack([loss_sum, stop.flag(device)]))
@@ -311,8 +313,8 @@ def main(argv=None):
                                   run_config["peak_flops"]),
                   "epoch": train_loader.epoch + train_loader.offset / train_loader.total_tokens}
         if done % args.eval_interval == 0 or done == args.max_steps:
-            record["val_loss"] = evaluate(model, val_loader, args.eval_steps, device, autocast)
-        print(training.step_line(record, args.max_steps), flush=True)
+            record["val_loss"] = evaluate(model, val_loader, args.eval_steps, device, precision)
+        print(training.step_line(record, args, step == start_step), flush=True)
         if rank == 0:
             runs.append_metrics(run_dir, record)
         tracker.log_step(record)

@@ -1,6 +1,7 @@
 """Batch files: the committed ones are the generator's output, pass shellcheck, and a bad site
 profile gets a one-line error naming the field."""
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from coursekit import KIT_ROOT, KitError, slurm
+from coursekit import KIT_ROOT, KitError, presets, slurm
 
 pytestmark = pytest.mark.unit
 BATCH_FILES = sorted(str(p.relative_to(KIT_ROOT)) for p in KIT_ROOT.glob("batchfiles/*/*.sh"))
@@ -65,11 +66,57 @@ def test_batch_files_pass_shellcheck():
 
 def test_a_minibatch_that_does_not_split_gets_a_smaller_micro_batch_or_a_larger_minibatch():
     profile = slurm.load_site("ci")  # tiny: 1,024 tokens per step, microbatch 4 x 128 tokens
-    assert slurm.batch_split_flags(profile, 2) == ""
-    assert slurm.batch_split_flags(profile, 4) == "--micro-batch 2"
+    split = lambda replicas: slurm.batch_split_flags(  # noqa: E731
+        "ddp", profile, slurm.Topology(1, replicas), replicas)
+    assert split(2) == ""
+    assert split(4) == "--micro-batch 2"
     assert "--micro-batch 2" in slurm.training_job("ddp", slurm.Topology(2, 2), profile)
     # 12 processes: no micro-batch splits 1,024 tokens; the minibatch grows to 4 x 128 x 12
-    assert slurm.batch_split_flags(profile, 12) == "--batch-tokens 6144"
+    assert split(12) == "--batch-tokens 6144"
+
+
+def micro_batch_of(text, preset):
+    flag = re.search(r"--micro-batch (\d+)", text)
+    return int(flag[1]) if flag else preset.micro_batch
+
+
+@pytest.mark.parametrize("site", slurm.site_names())
+def test_every_training_job_takes_the_largest_micro_batch_its_gpu_holds(site):
+    """By coursekit.memory's count, with a tenth of the GPU to spare: each job's micro-batch fits
+    the profile's GPU memory, the next larger one that keeps the recipe's tokens per step would
+    not, and the tokens per step stay the preset's (only the memory changes)."""
+    profile = slurm.load_site(site)
+    preset = presets.get_preset(profile["preset"])
+    for stage in ("std", "ddp", "fsdp", "lit", "tp", "pp"):
+        for topology in slurm.topologies_for(stage, profile):
+            text = slurm.training_job(stage, topology, profile)
+            micro = micro_batch_of(text, preset)
+            assert slurm.fits_gpu(stage, profile, topology, micro), (stage, topology)
+            assert "--batch-tokens" not in text or topology.processes == 12
+            _, replicas = slurm.model_parallel_flags(stage, profile, topology)
+            step_samples = preset.batch_tokens // preset.seq_len
+            larger = [m for m in range(micro + 1, preset.micro_batch + 1)
+                      if step_samples % (m * (1 if stage == "pp" else replicas)) == 0
+                      and (stage != "pp" or step_samples // m >= topology.processes)]
+            assert not any(slurm.fits_gpu(stage, profile, topology, m) for m in larger), \
+                (stage, topology, micro)
+
+
+def test_a_40_gb_gpu_halves_gpt2s_micro_batch_and_keeps_its_tokens_per_step():
+    """The preset's 64 x 1,024 tokens per microbatch need about 56 GB under DDP in bf16 (with the
+    loss's gradients over 50,304 logits a token): 32 fit a 40 GB A100; 80 GB GPUs take 64."""
+    meluxina, isambard = slurm.load_site("meluxina"), slurm.load_site("isambard-ai")
+    assert "--micro-batch 32 &\n" in slurm.training_job("ddp", slurm.Topology(1, 4), meluxina)
+    assert "--micro-batch" not in slurm.training_job("ddp", slurm.Topology(1, 4), isambard)
+
+
+def test_a_model_no_micro_batch_fits_is_refused_in_one_line():
+    profile = {**slurm.load_site("meluxina"), "gpu_memory_gb": 2}
+    with pytest.raises(KitError) as error:
+        slurm.training_job("ddp", slurm.Topology(1, 4), profile)
+    assert str(error.value) == ("the gpt2-124m preset does not fit a 2 GB GPU with the ddp stage "
+                                "on 1n4g, even one sample at a time: use more GPUs, a sharding "
+                                "stage (fsdp), or a smaller preset")
 
 
 def test_model_parallel_stages_get_their_split_and_only_shapes_they_can_run():
@@ -135,9 +182,12 @@ def test_the_lora_stage_starts_one_accelerate_launch_per_node():
     (lambda p: p.update(srun_args="--cpu-bind=none' --x='"), "field 'srun_args' is \"--cpu-bind=none' --x='\""),
     (lambda p: p.update(hpo_args='--train-args "--eval-steps 2'), "its quotes do not pair up"),
     (lambda p: p.update(setup=["source .venv/bin/activate\nid"]), "field 'setup' is"),
+    (lambda p: p["env"].update(NCCL_SOCKET_IFNAME="ib0"),
+     "env sets NCCL_SOCKET_IFNAME but not GLOO_SOCKET_IFNAME; set both"),
 ], ids=["missing", "type", "vendor", "launcher", "topology", "too-many-gpus", "unknown", "preset",
         "newline-description", "command-account", "newline-time", "quote-env", "env-name",
-        "quote-finetune-args", "quote-srun-args", "unpaired-quote", "newline-setup"])
+        "quote-finetune-args", "quote-srun-args", "unpaired-quote", "newline-setup",
+        "nccl-without-gloo"])
 def test_a_bad_profile_gets_one_line_naming_the_field(tmp_path, edit, message):
     import yaml
     (tmp_path / "batchfiles" / "sites").mkdir(parents=True)

@@ -166,7 +166,7 @@ def test_pipeline_stages_hold_what_the_pp_stage_keeps():
 
 @pytest.mark.parametrize("kwargs, message", [
     ({"strategy": "zero4"}, "strategy 'zero4': use one of ddp, zero1, zero2, fsdp, tp, pp"),
-    ({"strategy": "ddp", "precision": "fp8"}, "precision 'fp8': use one of fp32, bf16-mixed"),
+    ({"strategy": "ddp", "precision": "fp8"}, "precision 'fp8': use one of fp32, bf16-mixed, fp16-mixed"),
     ({"strategy": "fsdp", "world_size": 0}, "world size 0: use a whole number of ranks, 1 or more"),
 ])
 def test_bad_choices_name_the_value_and_the_choices(kwargs, message):

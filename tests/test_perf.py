@@ -28,7 +28,7 @@ def test_gpt2_124m_flops_per_token():
     assert perf.flops_per_token(12, 768, 1024, 50304) == pytest.approx(8.5e8, rel=0.02)
 
 
-# Names as torch.cuda.get_device_name gives them, and each one's dense bf16 datasheet peak
+# Names as torch.cuda.get_device_name gives them, and each one's dense fp16 datasheet peak
 DEVICE_NAMES = {
     "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA H100 NVL": 835e12,
     "NVIDIA H200": 989e12, "NVIDIA GH200 480GB": 989e12, "NVIDIA A100-SXM4-40GB": 312e12,
@@ -43,7 +43,18 @@ DEVICE_NAMES = {
 def test_peak_table_matches_the_devices_own_names(name, peak):
     """Whole words, the most specific entry: an L40 is not an L4, an H100 NVL not an SXM H100,
     a GH200 not an H200 (even where their numbers agree)."""
-    assert perf.table_peak_flops(name) == peak
+    assert perf.table_peak_flops(name, torch.float16) == peak
+
+
+@pytest.mark.parametrize("name, dtype, peak", [
+    ("Tesla V100-SXM2-32GB", torch.float16, 125e12), ("Tesla T4", torch.float16, 65e12),
+    ("Tesla V100-SXM2-32GB", torch.bfloat16, None),  # emulated: measured, not the datasheet's
+    ("Tesla T4", torch.bfloat16, None),
+    ("NVIDIA A100-SXM4-40GB", torch.float16, 312e12),  # as fast as bf16
+    ("NVIDIA A100-SXM4-40GB", torch.float32, None),    # fp32 (TF32) is measured
+])
+def test_the_table_gives_the_peak_of_the_precision_the_matmuls_run_in(name, dtype, peak):
+    assert perf.table_peak_flops(name, dtype) == peak
 
 
 def test_a_device_not_in_the_table_has_no_table_peak():
@@ -70,7 +81,7 @@ def test_cpu_peak_estimate_bounds_the_measured_matmul():
     assert estimate is not None and 0.01 * estimate < measured < 1.2 * estimate
 
 
-@pytest.mark.parametrize("precision, measured", [("bf16 autocast", "bfloat16"), ("fp32", "float32")])
+@pytest.mark.parametrize("precision, measured", [("bf16", "bfloat16"), ("fp32", "float32")])
 def test_a_device_the_table_does_not_know_is_measured_in_the_precision_it_trains_in(precision,
                                                                                     measured):
     """The run's peak (and so its MFU) for a device without a datasheet entry, here the CPU."""
@@ -78,6 +89,7 @@ def test_a_device_the_table_does_not_know_is_measured_in_the_precision_it_trains
     args = SimpleNamespace(stage="std", seq_len=tiny.seq_len)
     config = gpt.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len,
                            n_layer=tiny.n_layer, n_head=tiny.n_head, n_embd=tiny.n_embd)
-    run = training.run_config(args, tiny, config, 1, torch.device("cpu"), precision)
+    cpu = torch.device("cpu")
+    run = training.run_config(args, tiny, config, 1, cpu, training.prepare_device(cpu, precision))
     assert run["peak_source"] == f"measured {measured} matmul on cpu"
     assert run["peak_flops"] == perf.measure_matmul_flops("cpu", getattr(torch, measured))

@@ -2,13 +2,16 @@
 killed between checkpoints resumes from its own checkpoint exactly where an uninterrupted run
 would be, lesson 03 shows and asserts (its nbval run, tests/test_notebooks.py); under Slurm, the
 lit job's tasks are its processes, Lightning starting none of its own (tests/test_slurm.py)."""
+import json
+
 import pytest
 
-from conftest import ONE_THREAD, TWENTY_STEPS, kit_env, run_stage
-from coursekit import runs, stages
+from conftest import ONE_THREAD, TWENTY_STEPS, kit_env, run_stage, torchrun
+from coursekit import KIT_ROOT, runs, stages
 
 pytestmark = pytest.mark.stages
 SCRIPT = "train_gpt2_lit.py"
+FSDP_CHECK = KIT_ROOT / "tests" / "helpers" / "lit_fsdp_check.py"
 STEPS = TWENTY_STEPS  # on the CPU even where a GPU is present: 2 devices, one machine
 
 
@@ -95,3 +98,35 @@ def test_existing_run_is_not_overwritten_without_resume(two_device_run, builtin_
     status, stderr = parse_error(capsys, "--preset", "tiny", "--data", builtin_data, "--out", out)
     assert status == 2
     assert f"{out} already holds a checkpoint: pass --resume" in stderr
+
+
+# --- sharded strategies ----------------------------------------------------------------------
+def test_under_fsdp_weight_decay_and_the_gradient_norm_cover_every_shard():
+    """Lightning's FSDP hands configure_optimizers each rank's flattened 1-D shards: grouped by
+    dimension, no weight would decay. Grouped by the names taken before wrapping, the decayed
+    shards of the 2 ranks add up to the whole model's matrices; the gradient norm adds up the
+    shards' squares (one rank's alone is about 1/sqrt(2) of it)."""
+    result = torchrun(2, FSDP_CHECK, env=kit_env(ONE_THREAD))
+    check = json.loads(result.stdout.strip().splitlines()[-1])
+    assert check["sharded_by_dimension"] == 0  # the problem the names solve
+    assert check["sharded_decayed"] == check["whole_decayed"] > 0
+    assert check["sharded_norm"] == pytest.approx(check["whole_norm"], rel=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("strategy", ["fsdp", "deepspeed_stage_1", "deepspeed_stage_2",
+                                      "deepspeed_stage_3"])
+def test_sharded_strategies_train_on_every_gpu_with_the_ddp_gradient_norm(builtin_data, tmp_path,
+                                                                          strategy):
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU here")
+    runs_by = {}
+    for name in ("ddp", strategy):
+        out = tmp_path / name
+        run_lit(*STEPS[:2], "--max-steps", "3", "--sample-tokens", "0", "--strategy", name,
+                "--data", builtin_data, "--out", out)
+        runs_by[name] = runs.read_metrics(out)
+    for reference, sharded in zip(runs_by["ddp"], runs_by[strategy], strict=True):
+        assert sharded["loss"] == pytest.approx(reference["loss"], rel=0.02)
+        assert sharded["grad_norm"] == pytest.approx(reference["grad_norm"], rel=0.05)

@@ -75,7 +75,7 @@ def test_checkpoint_is_safetensors_and_json_and_reproduces_the_model(base_run, b
     args = config["args"]
     val_loader = std.TokenShardLoader(builtin_data, "val", args["micro_batch"], args["seq_len"])
     val_loss = std.evaluate(model, val_loader, args["eval_steps"], device,
-                            training.prepare_device(device)[0])
+                            training.prepare_device(device))
     assert val_loss == pytest.approx(runs.read_metrics(out)[-1]["val_loss"], abs=1e-6)
 
 
@@ -181,6 +181,7 @@ def test_compile_gives_the_same_first_loss(builtin_data, tmp_path, reference_met
                        "--device", "cpu", "--compile", "--data", builtin_data, "--out", tmp_path)
     assert result.returncode == 0, result.stderr
     assert "compile on" in result.stdout
+    assert result.stdout.count("compiled the model in this step") == 1  # the first step's time
     assert runs.read_metrics(tmp_path)[0]["loss"] == pytest.approx(reference_metrics[0]["loss"], abs=1e-4)
 
 
@@ -189,7 +190,8 @@ ONE_STEP = ["--preset", "tiny", "--max-steps", "1", "--sample-tokens", "0", "--d
 FLAG_RUNS = {"plain": ["--weight-decay", "0"],
              "decayed": ["--weight-decay", "0.5"],
              "reseeded": ["--weight-decay", "0", "--seed", "7"],
-             "shallow": ["--n-layer", "1"]}
+             "shallow": ["--n-layer", "1"],
+             "fp16": ["--n-layer", "1", "--precision", "fp16"]}
 
 
 @pytest.fixture(scope="module")
@@ -247,6 +249,20 @@ def test_weight_decay_shrinks_the_matrices(flag_runs):
             shrink = plain_model[name] - decayed_model[name]
             torch.testing.assert_close(shrink, plain["lr"] * 0.5 * start, rtol=0, atol=2e-8,
                                        msg=name)
+
+
+def test_fp16_scales_the_loss_and_takes_the_fp32_step(flag_runs):
+    """fp16 autocast with loss scaling (GPUs without bf16), here on the CPU: the loss and the
+    (unscaled) gradient norm of the fp32 run, and an optimiser step that was taken, not skipped
+    as an overflow would have it."""
+    (fp32, fp32_model, _), (fp16, fp16_model, config) = flag_runs["shallow"], flag_runs["fp16"]
+    assert config["precision"] == "fp16 autocast, loss scaling"
+    assert fp16["loss"] == pytest.approx(fp32["loss"], abs=1e-2)
+    assert fp16["grad_norm"] == pytest.approx(fp32["grad_norm"], rel=0.02)
+    start = initial_model(config, 1337)
+    for name, tensor in fp16_model.items():
+        assert not torch.equal(tensor, start[name]), name  # the step was taken
+        torch.testing.assert_close(tensor, fp32_model[name], rtol=0, atol=2 * fp32["lr"], msg=name)
 
 
 def test_n_layer_sets_the_depth(flag_runs):

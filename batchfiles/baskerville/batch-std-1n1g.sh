@@ -44,7 +44,8 @@ echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELI
 preempted=0
 trap 'preempted=1; scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
 srun --kill-on-bad-exit=1 python \
-    solutions/train_gpt2_std.py --preset gpt2-124m --data data/fineweb-edu --out runs/baskerville-std-1n1g --resume &
+    solutions/train_gpt2_std.py --preset gpt2-124m --data data/fineweb-edu --out runs/baskerville-std-1n1g --resume \
+    --micro-batch 32 &
 step=$!
 status=0
 wait "$step" || status=$?

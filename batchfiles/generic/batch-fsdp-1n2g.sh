@@ -46,7 +46,8 @@ trap 'preempted=1; scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
 srun --kill-on-bad-exit=1 bash -c 'PET_NODE_RANK="$SLURM_NODEID" exec "$@"' per-node torchrun \
     --nnodes=1 --nproc-per-node=2 --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
     --max-restarts=2 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
-    solutions/train_gpt2_fsdp.py --preset gpt2-124m --data data/fineweb-edu --out runs/generic-fsdp-1n2g --resume &
+    solutions/train_gpt2_fsdp.py --preset gpt2-124m --data data/fineweb-edu --out runs/generic-fsdp-1n2g --resume \
+    --micro-batch 32 &
 step=$!
 status=0
 wait "$step" || status=$?

@@ -45,7 +45,7 @@ preempted=0
 trap 'preempted=1; scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
 srun --kill-on-bad-exit=1 python \
     solutions/train_gpt2_lit.py --preset gpt2-124m --data data/fineweb-edu --out runs/meluxina-lit-1n1g --resume \
-    --devices 1 --num-nodes 1 &
+    --micro-batch 32 --devices 1 --num-nodes 1 &
 step=$!
 status=0
 wait "$step" || status=$?

@@ -82,7 +82,6 @@ import json
 import math
 import re
 import warnings
-from contextlib import nullcontext
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -94,7 +93,7 @@ from sklearn.exceptions import ConvergenceWarning
 from sklearn.gaussian_process import GaussianProcessRegressor
 from sklearn.gaussian_process.kernels import ConstantKernel, Matern
 
-from coursekit import perf, presets, stages
+from coursekit import perf, presets, stages, training
 from solutions import gpt
 
 sys.path.insert(0, str(KIT_ROOT / "solutions"))
@@ -785,7 +784,8 @@ def train_briefly(batch_tokens, lr, warmup_steps):
         optimizer.step()
         curve.append(((step + 1) * batch_tokens, loss.item()))
     val_loader = std.TokenShardLoader(DATA, "val", 16, SEQ_LEN)
-    return curve, std.evaluate(model, val_loader, 2, torch.device("cpu"), nullcontext())
+    cpu = torch.device("cpu")
+    return curve, std.evaluate(model, val_loader, 2, cpu, training.prepare_device(cpu, "fp32"))
 
 
 linear_lr, large_warmup = scale_recipe(BASE_LR, BASE_BATCH, LARGE_BATCH, WARMUP_TOKENS, "linear")

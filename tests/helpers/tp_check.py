@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import loss_parallel
 
+from coursekit import training
+
 spec = importlib.util.spec_from_file_location("tp_stage", Path(sys.argv[1]))
 stage = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(stage)
@@ -35,7 +37,7 @@ share = slice(2 * mesh["dp"].get_local_rank(), 2 * mesh["dp"].get_local_rank() +
 torch.manual_seed(0)
 model = stage.GPT(config)
 stage.apply_tp(model, mesh["tp"])
-stage.apply_fsdp(model, torch.device("cpu"), mesh["dp"], cpu_offload=False)
+stage.apply_fsdp(model, mesh["dp"], False, training.prepare_device(torch.device("cpu"), "fp32"))
 with loss_parallel():
     logits = model(x[share])
     loss = stage.cross_entropy(logits, y[share])

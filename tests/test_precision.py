@@ -1,0 +1,74 @@
+"""The precision a stage trains in: what each device's hardware computes fast, and the one-line
+refusals. (fp16 with loss scaling really training: tests/test_stage_std.py; the peak FLOP/s of
+each precision: tests/test_perf.py.)"""
+import pytest
+import torch
+
+from coursekit import KitError, training
+
+pytestmark = pytest.mark.unit
+
+#: (device type, compute capability or AMD architecture as torch reports them, precision)
+DEVICES = [
+    ("cuda", (7, 0), "fp16"),    # V100: torch.cuda.is_bf16_supported() is True, by emulation
+    ("cuda", (7, 5), "fp16"),    # T4, RTX 20xx
+    ("cuda", (8, 0), "bf16"),    # A100
+    ("cuda", (8, 6), "bf16"),    # A10, A40, RTX 30xx
+    ("cuda", (8, 9), "bf16"),    # L4, L40, RTX 40xx
+    ("cuda", (9, 0), "bf16"),    # H100, H200, GH200
+    ("cuda", (10, 0), "bf16"),   # B200
+    ("cuda", "gfx906:sramecc+:xnack-", "fp16"),  # MI50/MI60
+    ("cuda", "gfx908:sramecc+:xnack-", "bf16"),  # MI100
+    ("cuda", "gfx90a:sramecc+:xnack-", "bf16"),  # MI210/MI250X
+    ("cuda", "gfx942:sramecc+:xnack-", "bf16"),  # MI300X
+    ("cuda", "gfx1100", "bf16"),                 # RX 7900
+    ("cuda", "gfx1030", "fp16"),                 # RX 6800
+    ("xpu", None, "bf16"),
+    ("cpu", None, "fp32"),
+]
+
+
+@pytest.mark.parametrize("device_type, hardware, precision", DEVICES)
+def test_bf16_only_where_the_hardware_computes_in_it(device_type, hardware, precision):
+    if isinstance(hardware, str):
+        assert training.hardware_precision(device_type, amd_arch=hardware) == precision
+    else:
+        assert training.hardware_precision(device_type, capability=hardware) == precision
+
+
+def test_this_machines_device_gets_its_hardware_precision():
+    device = torch.device("cpu")
+    assert training.prepare_device(device).name == training.device_precision(device) == "fp32"
+
+
+@pytest.mark.parametrize("name, dtype, scaled, description", [
+    ("bf16", torch.bfloat16, False, "bf16 autocast"),
+    ("fp16", torch.float16, True, "fp16 autocast, loss scaling"),
+    ("fp32", None, False, "fp32")])
+def test_only_fp16_scales_the_loss(name, dtype, scaled, description):
+    precision = training.prepare_device(torch.device("cpu"), name)
+    assert (precision.dtype, precision.scaler.is_enabled(), precision.description) == \
+        (dtype, scaled, description)
+    with precision.autocast:
+        product = torch.ones(2, 2) @ torch.ones(2, 2)
+    assert product.dtype == (dtype or torch.float32)
+
+
+def test_a_stage_that_cannot_scale_its_loss_refuses_fp16_and_stays_fp32_on_auto():
+    cpu = torch.device("cpu")
+    with pytest.raises(KitError) as refused:
+        training.choose_precision(cpu, "fp16", loss_scaling=False)
+    assert str(refused.value) == ("--precision fp16: this stage cannot scale its loss; use bf16 "
+                                  "(on GPUs that have it) or fp32")
+    assert training.choose_precision(cpu, "bf16", loss_scaling=False) == "bf16"
+
+
+def test_forward_in_autocast_leaves_backward_outside_it():
+    precision = training.prepare_device(torch.device("cpu"), "bf16")
+    layer = torch.nn.Linear(4, 4)
+    out = precision.in_autocast(layer.forward)(torch.ones(1, 4))
+    assert out.dtype == torch.bfloat16 and not torch.is_autocast_enabled("cpu")
+    seen = []  # whether autocast is on while backward runs through the output's gradient
+    out.register_hook(lambda grad: seen.append(torch.is_autocast_enabled("cpu")))
+    out.float().sum().backward()
+    assert seen == [False] and layer.weight.grad is not None
