@@ -19,6 +19,7 @@
     free-port                                  a TCP port free on this host now (batch files)
     mlflow-server [--store URI] [--port P]     MLflow's UI on 127.0.0.1 behind your own password
     trainee-kit --out DIR                      the kit as trainees get it: no solution, no hidden test
+    selftest [--nodes N --steps S]             every stage on one device and all, bandwidth, offline files
 """
 import argparse
 import json
@@ -26,7 +27,7 @@ import sys
 import time
 from pathlib import Path
 
-from coursekit import KitError
+from coursekit import KIT_ROOT, KitError
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -173,8 +174,31 @@ def build_parser():
     server.add_argument("--port", type=tcp_port, help="TCP port (default: one free now)")
     server.add_argument("--state", default="runs/mlflow-server",
                         help="the password and user database, kept private (default %(default)s)")
+    selftest = commands.add_parser("selftest", help="every stage on one device and on all, "
+                                   "bandwidth, offline files: a report for a new cluster")
+    selftest.add_argument("--out", default="runs/selftest", help="where selftest.json and "
+                                                                 "selftest.md go (default %(default)s)")
+    selftest.add_argument("--steps", type=positive_int, default=20, help="steps of each run")
+    selftest.add_argument("--preset", choices=["tiny", "small", "gpt2-124m"],
+                          help="the model (default: gpt2-124m on a GPU, tiny on a CPU)")
+    selftest.add_argument("--micro-batch", type=positive_int,
+                          help="samples per forward pass (default: the preset's, or on a GPU the "
+                               "largest its memory holds)")
+    selftest.add_argument("--nodes", type=positive_int, default=1,
+                          help="nodes of the Slurm job to run on (default 1: this one)")
+    selftest.add_argument("--per-node", type=positive_int,
+                          help="processes per node (default: every GPU, or 2 on a CPU)")
+    selftest.add_argument("--data", default=str(KIT_ROOT / "data" / "builtin"),
+                          help="prepared data to train on (default: the builtin corpus)")
+    selftest.add_argument("--timeout", type=positive_int, default=1800,
+                          help="seconds each run may take (default %(default)s)")
     return parser
 
+
+
+def run_selftest(args):
+    from coursekit import selftest
+    selftest.run_all(args)
 
 
 def run_trainee_kit(args):
@@ -330,7 +354,8 @@ COMMANDS = {"envcheck": run_envcheck, "tokenizer": run_tokenizer, "data": run_da
             "presets": run_presets, "assignments": run_assignments, "book": run_book, "diffs": run_diffs,
             "batchfiles": run_batchfiles, "export-hf": run_export_hf, "instruct": run_instruct,
             "verify-data": run_verify_data, "registry": run_registry, "free-port": run_free_port,
-            "mlflow-server": run_mlflow_server, "trainee-kit": run_trainee_kit}
+            "mlflow-server": run_mlflow_server, "trainee-kit": run_trainee_kit,
+            "selftest": run_selftest}
 
 
 def main(argv=None):

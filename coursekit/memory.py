@@ -238,12 +238,14 @@ def report(run_dir, model, optimizer, device):
     from coursekit import launch, runs
 
     mine = measured(model, optimizer, device)
-    every_rank = launch.numbers_of_every_rank([mine[part] for part in MEASURED_PARTS], device)
+    numbers = [mine[part] for part in MEASURED_PARTS]
+    every_rank = (launch.numbers_of_every_rank(numbers, device) if dist.is_initialized()
+                  else [numbers])  # the std stage: one process, no group
     reports = [{**dict(zip(MEASURED_PARTS, numbers)), "peak_kind": mine["peak_kind"]}
                for numbers in every_rank]  # every rank has the same kind of device
     for rank, r in enumerate(reports):
         print(f"rank {rank} | params {r['params'] / 2**20:.2f} MiB | grads "
               f"{r['grads'] / 2**20:.2f} MiB | optimizer {r['optimizer'] / 2**20:.2f} MiB | "
               f"peak {r['peak'] / 2**20:.1f} MiB ({r['peak_kind']})")
-    if dist.get_rank() == 0:
+    if not dist.is_initialized() or dist.get_rank() == 0:
         runs.write_json_atomic(Path(run_dir) / "memory.json", reports)

@@ -6,6 +6,7 @@
     batchfiles/<site>/batch-mlflow-ui.sh          the MLflow UI over runs/mlflow.db, on 127.0.0.1
     batchfiles/<site>/batch-hpo-1n1g.sh           an Optuna study: a job array, a worker per task
     batchfiles/<site>/batch-hpo-2n<G>g.sh         the same, each trial a DDP run on 2 nodes x G
+    batchfiles/<site>/batch-selftest-<N>n<G>g.sh  coursekit selftest on 1 or 2 whole nodes
 
 How the stages start (DESIGN.md section 6):
     std   one process:                    srun python train_gpt2_std.py
@@ -562,6 +563,29 @@ def hpo_job(profile, topology):
     return "\n".join(lines) + "\n"
 
 
+def selftest_job(profile, topology):
+    """`python -m coursekit selftest` on every GPU of one node, or of two."""
+    site = profile["name"]
+    out = f"runs/{site}-selftest-{topology.name}"
+    lines = header(f"The self-test on {topology.nodes} node(s) x {topology.gpus} "
+                   f"{'GPU(s)' if profile['gpu_vendor'] != 'none' else 'process(es)'}: every "
+                   f"stage on one device and on all, all-reduce bandwidth, offline files; the "
+                   f"report in {out}/selftest.md.", profile, site)
+    lines += ["# It trains on the builtin corpus: python -m coursekit data prepare --source builtin "
+              "--out data/builtin"]
+    lines += sbatch_lines(profile, f"selftest-{topology.name}", topology.nodes, 1,
+                          profile["cpus_per_gpu"] * topology.gpus, topology.gpus, requeue=False)
+    threads = ("$SLURM_CPUS_PER_TASK" if topology.gpus == 1
+               else f"$((SLURM_CPUS_PER_TASK / {topology.gpus}))")
+    lines += [*job_preamble(profile, threads),
+              "# runs on several nodes meet at the allocation's first host, where this shell runs",
+              'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+              "export MASTER_ADDR",
+              f"python -m coursekit selftest --nodes {topology.nodes} --per-node {topology.gpus} "
+              f"--preset {profile['preset']} --out {out}"]
+    return "\n".join(lines) + "\n"
+
+
 def expected_files(site, root=KIT_ROOT):
     """{path relative to the kit's root: text} of every batch file of a site."""
     profile = load_site(site, root)
@@ -573,6 +597,10 @@ def expected_files(site, root=KIT_ROOT):
                 training_job(stage, topology, profile)
     for topology in hpo_topologies(profile):
         files[f"batchfiles/{site}/batch-hpo-{topology.name}.sh"] = hpo_job(profile, topology)
+    for nodes in (1, 2):
+        topology = Topology(nodes, profile["gpus_per_node"])
+        files[f"batchfiles/{site}/batch-selftest-{topology.name}.sh"] = \
+            selftest_job(profile, topology)
     return files
 
 

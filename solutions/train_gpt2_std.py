@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from coursekit import distributed, faults, perf, presets, runs, tracking, training
+from coursekit import distributed, faults, memory, perf, presets, runs, tracking, training
 from solutions.gpt import GPT, GPTConfig, cross_entropy
 
 STAGE = Path(__file__).stem.removeprefix("train_gpt2_")  # names the default run directory
@@ -208,6 +208,7 @@ def main(argv=None):
                   "rerun with --resume to continue", flush=True)
             break
 
+    memory.report(run_dir, model, optimizer, device)
     if args.sample_tokens and done == args.max_steps:
         model.eval()
         training.write_sample(run_dir, args, device, model.generate)
