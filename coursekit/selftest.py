@@ -24,6 +24,7 @@ import ast
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import statistics
@@ -237,6 +238,16 @@ def check_lesson_imports():
     return Check("lesson imports", True, f"the first cells of {len(lessons)} lessons import")
 
 
+ERROR_LINE = re.compile(r"^(error: |\w+(Error|Exception): )")
+
+
+def first_error(output):
+    """The line of a failed run's output that says why: the stage's one-line error or the
+    exception that ended it (each process prints its own), else the last line."""
+    found = [line for line in output.splitlines() if ERROR_LINE.match(line.strip())]
+    return found[0].strip() if found else last_line(output)
+
+
 def last_line(text):
     lines = [line for line in text.strip().splitlines() if line.strip()]
     return lines[-1] if lines else "(no output)"
@@ -293,7 +304,11 @@ def launch_command(plan, stage, processes, out):
 
 
 def run_environment(plan, processes):
-    env = dict(os.environ)
+    """The environment of a run. One that this host starts alone (not through srun) gets none of
+    the Slurm job's task variables, which would tell it that it is one of the job's tasks."""
+    local = processes == 1 or plan.nodes == 1
+    env = {name: value for name, value in os.environ.items()
+           if not (local and name.startswith("SLURM_"))}
     if plan.device == "cpu":  # the cores shared out, as the batch files do
         env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // processes))
     env["MASTER_ADDR"], env["MASTER_PORT"] = plan.master_addr, str(launch.free_port())
@@ -316,7 +331,7 @@ def train(plan, stage, processes, timeout):
     out.mkdir(parents=True, exist_ok=True)
     (out / "output.log").write_text(result.stdout + result.stderr)
     if result.returncode != 0:
-        run.detail = f"exit {result.returncode}: {last_line(result.stderr or result.stdout)}"
+        run.detail = f"exit {result.returncode}: {first_error(result.stdout + result.stderr)}"
         return run
     measure(plan, run, out)
     shutil.rmtree(out / "ckpt", ignore_errors=True)  # measured: the disk space goes back

@@ -276,6 +276,15 @@ def fits_gpu(stage, profile, topology, micro_batch):
     return memory.fits_in(peak, profile["gpu_memory_gb"])
 
 
+def fitting_micro_batches(stage, profile, topology):
+    """The micro-batches up to the preset's that fit the GPU, largest first; none: a KitError."""
+    preset = presets.get_preset(profile["preset"])
+    fitting = [m for m in range(preset.micro_batch, 0, -1) if fits_gpu(stage, profile, topology, m)]
+    if not fitting:
+        raise too_big(stage, profile, topology)
+    return fitting
+
+
 def too_big(stage, profile, topology):
     return KitError(f"the {profile['preset']} preset does not fit a {profile['gpu_memory_gb']} GB "
                     f"GPU with the {stage} stage on {topology.name}, even one sample at a time: "
@@ -308,9 +317,7 @@ def batch_split_flags(stage, profile, topology, replicas):
     (the same tokens per step, only the memory changes). When none splits evenly, the minibatch
     grows to the next multiple of micro-batch x sequence x replicas."""
     preset = presets.get_preset(profile["preset"])
-    fitting = [m for m in range(preset.micro_batch, 0, -1) if fits_gpu(stage, profile, topology, m)]
-    if not fitting:
-        raise too_big(stage, profile, topology)
+    fitting = fitting_micro_batches(stage, profile, topology)
     per_sample = preset.seq_len * replicas
     micro_flag = lambda micro: "" if micro == preset.micro_batch else f"--micro-batch {micro}"  # noqa: E731
     for micro in fitting:
@@ -539,6 +546,13 @@ def hpo_job(profile, topology):
         srun_args = profile["srun_args"] if profile["launcher"] == "torchrun" else ""
         driver.append(f"--nodes {topology.nodes} --nproc-per-node {topology.gpus}"
                       + (f" --srun-args='{srun_args}'" if srun_args else ""))
+    # what a trial's processes hold: a divisor of the preset's, so that the study's batch sizes
+    # (multiples of micro-batch x sequence x processes) stay those of the preset's
+    preset_micro = presets.get_preset(profile["preset"]).micro_batch
+    micro_batch = next(m for m in fitting_micro_batches("ddp", profile, topology)
+                       if preset_micro % m == 0)
+    if micro_batch != preset_micro:
+        driver.append(f"--micro-batch {micro_batch}")
     driver.append(profile["hpo_args"])
     threads = ("$SLURM_CPUS_PER_TASK" if topology.gpus == 1
                else f"$((SLURM_CPUS_PER_TASK / {topology.gpus}))")  # a trial's G processes a node

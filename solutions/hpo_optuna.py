@@ -147,6 +147,7 @@ def trainer_command(args, hyperparameters, run_dir):
     flags = ["--preset", args.preset, "--data", args.data, "--out", str(run_dir), "--resume",
              "--max-steps", str(args.max_steps), "--eval-interval", str(args.eval_interval),
              "--ckpt-interval", str(args.max_steps), "--sample-tokens", "0",
+             "--micro-batch", str(args.micro_batch),
              "--seed", str(args.seed)]  # the same seed for every trial: only the settings differ
     flags += [f"--{name.replace('_', '-')}={value}" for name, value in hyperparameters.items()]
     script = [str(SOLUTIONS / f"train_gpt2_{stage}.py"), *flags, *args.train_args.split()]
@@ -495,6 +496,8 @@ def parse_args(argv=None):
                         "pruned (the most resource; default: the preset's)")
     parser.add_argument("--eval-interval", type=positive_int,
                         help="steps between validations: the pruner's rungs (default: the preset's)")
+    parser.add_argument("--micro-batch", type=positive_int, help="samples per forward pass of "
+                        "every trial: what the GPU holds (default: the preset's)")
     parser.add_argument("--train-args", default="", help="more flags for the trainer, quoted")
     parser.add_argument("--baseline", action="store_true",
                         help="also train the preset's defaults with the same budget, to compare")
@@ -520,7 +523,8 @@ def check_args(args):
     args.study_dir = Path(args.study_dir or f"runs/hpo-{preset.name}")
     args.study_name = args.study_name or f"hpo-{preset.name}"
     args.processes = args.nodes * args.nproc_per_node
-    args.batch_unit = preset.micro_batch * preset.seq_len * args.processes  # one microbatch each
+    args.micro_batch = args.micro_batch or preset.micro_batch
+    args.batch_unit = args.micro_batch * preset.seq_len * args.processes  # one microbatch each
     args.first_worker = int(os.environ.get("SLURM_ARRAY_TASK_ID", 0)) * args.workers
     args.gpus = visible_gpus()
     if args.eval_interval > args.max_steps:

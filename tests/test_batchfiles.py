@@ -108,6 +108,9 @@ def test_a_40_gb_gpu_halves_gpt2s_micro_batch_and_keeps_its_tokens_per_step():
     meluxina, isambard = slurm.load_site("meluxina"), slurm.load_site("isambard-ai")
     assert "--micro-batch 32 &\n" in slurm.training_job("ddp", slurm.Topology(1, 4), meluxina)
     assert "--micro-batch" not in slurm.training_job("ddp", slurm.Topology(1, 4), isambard)
+    # a study's trials too, in a divisor of 64 that keeps the study's batch sizes the preset's
+    assert "--micro-batch 32 \\\n" in slurm.hpo_job(meluxina, slurm.Topology(1, 1))
+    assert "--micro-batch" not in slurm.hpo_job(isambard, slurm.Topology(1, 1))
 
 
 def test_a_model_no_micro_batch_fits_is_refused_in_one_line():

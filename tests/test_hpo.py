@@ -224,6 +224,21 @@ def test_the_grid_lies_inside_the_search_space():
 
 
 @pytest.mark.unit
+def test_a_smaller_micro_batch_reaches_every_trial_and_keeps_the_batch_choices(builtin, tmp_path,
+                                                                               monkeypatch):
+    """A 40 GB GPU holds half of GPT-2's micro-batch (the batch files pass --micro-batch 32):
+    every trial trains with it, and the study's batch sizes stay multiples of the smaller unit."""
+    for name in [n for n in os.environ if n.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    hpo_optuna = load_script()
+    args = hpo_optuna.parse_args(["--study-dir", str(tmp_path), "--micro-batch", "2",
+                                  "--data", str(KIT_ROOT / "data" / "builtin")])
+    assert args.batch_unit == 2 * presets.get_preset("tiny").seq_len
+    command = hpo_optuna.trainer_command(args, {"lr": 1e-3}, tmp_path / "trial")
+    assert command[command.index("--micro-batch") + 1] == "2"
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("args, message", [
     (["--max-steps", "10", "--eval-interval", "20"],
      "--eval-interval 20 is more than --max-steps 10"),

@@ -331,6 +331,32 @@ def test_mlflow_ui_job_serves_the_tracking_store_to_its_owner_on_loopback_only(c
         subprocess.run(["scancel", job_id], env=slurm_env(cluster), check=True)
 
 
+def test_the_selftest_job_trains_every_stage_across_both_nodes(cluster, builtin_in_kit):
+    """The self-test as an instructor submits it: 2 nodes x 2 processes, every multi-process run
+    started across both (srun, a torchrun per node; Lightning a task per process), the reference
+    and one-device runs on the first node; its report says so."""
+    name = "batch-selftest-2n2g.sh"
+    out = KIT_ROOT / "runs" / "ci-selftest-2n2g"
+    shutil.rmtree(out, ignore_errors=True)
+    job_id = submit(cluster, name)
+    status, record = wait_for_job(cluster, job_id)
+    log = (cluster["logs"] / f"{name}.{job_id}.out").read_text()
+    try:
+        failed = "".join(path.read_text()[-2000:] for path in out.glob("runs/*/output.log")
+                         if "Error" in path.read_text())  # a failed run's own output
+        assert status == 0, log[-3000:] + failed
+        assert f"self-test passed: {out.relative_to(KIT_ROOT)}/selftest.md" in log
+        report = runs.read_json(out / "selftest.json")
+        assert report["ok"] and report["plan"]["processes"] == 4, report["failures"]
+        assert {(r["stage"], r["processes"]) for r in report["runs"] if r["ok"]} == \
+            {*[(s, 1) for s in ("std", "ddp", "fsdp", "lit")],
+             *[(s, 4) for s in ("ddp", "fsdp", "tp", "pp", "lit")]}
+        assert report["allreduce"]["ranks"] == 4
+        assert "NodeList=node[1-2]" in record
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
 def answers(url):
     try:
         with urllib.request.urlopen(url, timeout=2):

@@ -35,6 +35,7 @@ echo "array task $SLURM_ARRAY_TASK_ID: job $SLURM_JOB_ID (restart ${SLURM_RESTAR
 preempted=0
 trap 'preempted=1; kill -USR1 "$worker"' USR1
 python solutions/hpo_optuna.py --preset gpt2-124m --data data/fineweb-edu --study-dir runs/baskerville-hpo-1n1g \
+    --micro-batch 32 \
     --trials 32 --max-steps 1000 --eval-interval 100 &
 worker=$!
 status=0

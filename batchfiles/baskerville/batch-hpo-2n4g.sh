@@ -36,6 +36,7 @@ preempted=0
 trap 'preempted=1; kill -USR1 "$worker"' USR1
 python solutions/hpo_optuna.py --preset gpt2-124m --data data/fineweb-edu --study-dir runs/baskerville-hpo-2n4g \
     --nodes 2 --nproc-per-node 4 \
+    --micro-batch 32 \
     --trials 32 --max-steps 1000 --eval-interval 100 &
 worker=$!
 status=0

@@ -251,12 +251,14 @@ print(f"loss {losses[0]:.2f} -> {losses[-1]:.2f} in {steps} steps")
 # %% tags=["demo"]
 import shutil
 
-run_dir = Path("runs") / "std-tiny-lesson01"
+# on a GPU, a model big enough to keep it busy: the tiny one would leave it idle most of the time
+SCRIPT_PRESET = "small" if torch.cuda.is_available() else "tiny"
+run_dir = Path("runs") / f"std-{SCRIPT_PRESET}-lesson01"
 shutil.rmtree(run_dir, ignore_errors=True)  # a fresh demonstration run each time the cell runs
 script_steps = 60 if LONGER_RUNS else 30
-command = [sys.executable, str(KIT_ROOT / "solutions" / "train_gpt2_std.py"), "--preset", "tiny",
-           "--data", str(DATA), "--out", str(run_dir), "--max-steps", str(script_steps),
-           "--eval-interval", str(script_steps // 3)]
+command = [sys.executable, str(KIT_ROOT / "solutions" / "train_gpt2_std.py"),
+           "--preset", SCRIPT_PRESET, "--data", str(DATA), "--out", str(run_dir),
+           "--max-steps", str(script_steps), "--eval-interval", str(script_steps // 3)]
 log = run_dir.with_suffix(".log")  # the script's printed lines, beside its run directory
 log.parent.mkdir(exist_ok=True)
 start = time.perf_counter()
@@ -316,7 +318,7 @@ assert torch.softmax(top_k_filter(scores, 1), dim=0).tolist() == [0.0, 1.0, 0.0,
 
 # %% tags=["demo"]
 step, state = runs.load_checkpoint(run_dir)
-trained = gpt.GPT(config)
+trained = gpt.GPT(gpt.GPTConfig(**runs.read_json(run_dir / "config.json")["model"]))  # the run's
 trained.load_state_dict(state["model"])
 trained.eval()
 prompt = torch.tensor([encoding.encode_ordinary("Return the")])

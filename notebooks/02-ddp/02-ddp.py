@@ -352,7 +352,8 @@ assert len(yours) == 10 and all(abs(a - b) <= 1e-6 for a, b in zip(yours, soluti
 SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_ddp.py"  # or WORKING_COPY: yours
 GPUS = torch.cuda.device_count()
 NPROC, DEVICE = (GPUS, "auto") if GPUS >= 2 else (2, "cpu")  # two ranks cannot share one GPU
-MICROBATCH_TOKENS = tiny.micro_batch * tiny.seq_len
+RUN_PRESET = presets.get_preset("small" if DEVICE == "auto" else "tiny")  # GPUs: keep them busy
+MICROBATCH_TOKENS = RUN_PRESET.micro_batch * RUN_PRESET.seq_len
 GLOBAL_BATCH = MICROBATCH_TOKENS * NPROC
 RUNS = Path("runs")
 STEPS = 40 if LONGER_RUNS else 20  # per run, at the global batch
@@ -364,7 +365,8 @@ def train(name, processes, batch_tokens, steps, *flags):
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each time the cell runs
     launcher = ([TORCHRUN, "--standalone", f"--nproc-per-node={processes}"] if processes > 1
                 else [sys.executable])
-    command = launcher + [str(SCRIPT), "--preset", "tiny", "--device", DEVICE, "--data", str(DATA),
+    command = launcher + [str(SCRIPT), "--preset", RUN_PRESET.name, "--device", DEVICE,
+                          "--data", str(DATA),
                           "--out", str(out), "--batch-tokens", str(batch_tokens),
                           "--max-steps", str(steps), "--eval-interval", str(steps),
                           "--sample-tokens", "0", *flags]
@@ -502,7 +504,7 @@ assert limit == {"A": "scales well", "B": "network", "C": "input pipeline",
 # compare the validation loss at the end.
 
 # %% tags=["demo"]
-scaled_lr = tiny.lr * (GLOBAL_BATCH / MICROBATCH_TOKENS) ** 0.5  # the square-root rule
+scaled_lr = RUN_PRESET.lr * (GLOBAL_BATCH / MICROBATCH_TOKENS) ** 0.5  # the square-root rule
 scaled = train(f"sqrt-lr-{NPROC}", NPROC, GLOBAL_BATCH, STEPS, "--lr", f"{scaled_lr:.6g}")
 tokens_seen = {"small batch": small_batch, "large batch, same lr": many, "large batch, sqrt lr": scaled}
 fig, ax = plt.subplots(figsize=(6, 3.5))
@@ -521,7 +523,7 @@ print(f"the sqrt-scaled learning rate wins back {won_back:.0%} of the large batc
 # %% [markdown]
 # With the same learning rate, the larger batch falls behind at the same number of tokens: it
 # took $N$ times fewer steps. Scaling the learning rate wins back much of the difference (the
-# last line above says how much in this run). The tiny preset's curves are noisy: try
+# last line above says how much in this run). Curves this short are noisy: try
 # `"linear"`, a longer `--warmup-steps`, or a batch 8 times larger, and watch where the benefit
 # stops.
 #

@@ -277,7 +277,8 @@ for flags in refusals:
 
 # %% tags=["demo"]
 DEVICE = "auto" if torch.cuda.device_count() >= 2 else "cpu"  # 2 GPUs, or 2 CPU processes
-STEPS = ["--preset", "tiny", "--device", DEVICE, "--data", str(DATA), "--max-steps", "12",
+RUN_PRESET = "small" if DEVICE == "auto" else "tiny"  # GPUs: a model that keeps them busy
+STEPS = ["--preset", RUN_PRESET, "--device", DEVICE, "--data", str(DATA), "--max-steps", "12",
          "--eval-interval", "6", "--ckpt-interval", "6", "--sample-tokens", "0", "--devices", "2"]
 shutil.rmtree(RUNS / "notebook", ignore_errors=True)
 start = time.perf_counter()

@@ -96,14 +96,28 @@ FSDP_COPY, TP_COPY, PP_COPY = (Path(name).resolve() for name in
 # and the optimiser stay. GPT-2 124M needs about 2 GB for these three parts, which is nothing on
 # an 80 GB GPU; a 7-billion-parameter model needs about 126 GB, which fits no single GPU.
 #
+# **Which 16 bits.** bf16 keeps fp32's 8 exponent bits and drops mantissa bits: it covers the
+# same range of magnitudes, coarser. fp16 has 5 exponent bits: more precision, but numbers
+# below about $6 \times 10^{-8}$ become 0, and many gradients are that small. GPUs from NVIDIA's
+# Ampere (A100) and AMD's MI100 on compute in bf16; older ones (V100, T4) only in fp16, where
+# PyTorch emulates bf16 slowly. There the stages (`--precision auto`) train in fp16 with **loss
+# scaling**: the loss is multiplied by a large factor $S$ (65,536 to start) before backward, so
+# every gradient is $S$ times larger and clears fp16's floor; before the optimiser step the
+# gradients are divided by $S$ again (`torch.amp.GradScaler`: `scale`, `unscale_`, `step`,
+# `update`). A step whose gradients overflowed to inf or NaN is skipped and $S$ halved; after
+# 2,000 clean steps $S$ doubles. Under FSDP every rank must skip together, so the stages use the
+# sharded scaler, which all-reduces the overflow flag.
+#
 # **Activations** are what forward keeps for backward: about $34\,b\,T\,d$ *bytes* per block
 # in 16-bit training, for a micro-batch of $b$ samples of $T$ tokens and width $d$ (Korthikanti et
 # al., 2022, with flash attention: their $34\,sbh$ counts bytes, 2 per stored 16-bit value and 1
-# per dropout-mask entry), twice that in fp32, plus the logits, $b \times T \times$ vocabulary
-# fp32 values. They do not depend on the number of
-# parameters, and data parallelism never splits them: only a smaller micro-batch, **activation
-# checkpointing** (keep each block's input, recompute the rest in backward) or a model-parallel
-# split makes them smaller.
+# per dropout-mask entry), twice that in fp32, plus the loss's log-probabilities, $b \times T
+# \times$ vocabulary fp32 values. As backward starts, their gradients and the logits' join them
+# (6 more bytes per logit in 16-bit; `logit_grads` in the calculator below): with GPT-2's
+# 50,304-word vocabulary, about as much as the twelve blocks' activations. None of this depends
+# on the number of parameters, and data parallelism never splits it: only a smaller micro-batch,
+# **activation checkpointing** (keep each block's input, recompute the rest in backward) or a
+# model-parallel split makes it smaller.
 
 # %%
 for name, model in (("tiny", TINY), ("GPT-2 124M", GPT2), ("GPT-2 1.5B", widgets.MODELS["GPT-2 1.5B"]),
