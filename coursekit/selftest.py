@@ -294,21 +294,30 @@ def launch_command(plan, stage, processes, out):
         return [sys.executable, *args]
     if plan.nodes == 1:
         return [*launch.torchrun(processes), *args]
-    srun = ["srun", "--kill-on-bad-exit=1", f"--nodes={plan.nodes}"]
     if stage == "lit":  # the node's cores shared out among its tasks
         cores = int(os.environ.get("SLURM_CPUS_PER_TASK", plan.per_node)) // plan.per_node
-        return [*srun, f"--ntasks-per-node={plan.per_node}", f"--cpus-per-task={max(1, cores)}",
-                sys.executable, *args]
-    return [*srun, "--ntasks-per-node=1", *launch.PER_NODE,
+        return [*srun(plan, plan.per_node), f"--cpus-per-task={max(1, cores)}", sys.executable,
+                *args]
+    return [*srun(plan, 1), *launch.PER_NODE,
             *launch.torchrun(plan.per_node, plan.nodes, plan.master_addr), *args]
 
 
-def run_environment(plan, processes):
+def srun(plan, tasks_per_node):
+    """srun over the job's nodes with this many tasks on each: the counts given in full, as the
+    job's own (SLURM_NTASKS, one task a node) would otherwise cap the step."""
+    return ["srun", "--kill-on-bad-exit=1", f"--nodes={plan.nodes}",
+            f"--ntasks={plan.nodes * tasks_per_node}", f"--ntasks-per-node={tasks_per_node}"]
+
+
+def run_environment(plan, processes, stage=None):
     """The environment of a run. One that this host starts alone (not through srun) gets none of
-    the Slurm job's task variables, which would tell it that it is one of the job's tasks."""
+    the Slurm job's task variables, which would tell it that it is one of the job's tasks;
+    Lightning under srun reads its tasks per node from the job's, one, unless told the step's."""
     local = processes == 1 or plan.nodes == 1
     env = {name: value for name, value in os.environ.items()
            if not (local and name.startswith("SLURM_"))}
+    if stage == "lit" and not local:
+        env["SLURM_NTASKS_PER_NODE"] = str(plan.per_node)
     if plan.device == "cpu":  # the cores shared out, as the batch files do
         env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // processes))
     env["MASTER_ADDR"], env["MASTER_PORT"] = plan.master_addr, str(launch.free_port())
@@ -324,7 +333,7 @@ def train(plan, stage, processes, timeout):
     try:
         result = subprocess.run(launch_command(plan, stage, processes, out), capture_output=True,
                                 text=True, timeout=timeout, cwd=KIT_ROOT,
-                                env=run_environment(plan, processes))
+                                env=run_environment(plan, processes, stage))
     except subprocess.TimeoutExpired:
         run.detail = f"did not finish within {timeout} s (--timeout)"
         return run
@@ -389,9 +398,8 @@ def bandwidth(plan, timeout):
     if plan.nodes == 1:
         command = [*launch.torchrun(plan.per_node), *args]
     else:
-        command = ["srun", "--kill-on-bad-exit=1", f"--nodes={plan.nodes}", "--ntasks-per-node=1",
-                   *launch.PER_NODE, *launch.torchrun(plan.per_node, plan.nodes, plan.master_addr),
-                   *args]
+        command = [*srun(plan, 1), *launch.PER_NODE,
+                   *launch.torchrun(plan.per_node, plan.nodes, plan.master_addr), *args]
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=KIT_ROOT,
                             env=run_environment(plan, plan.processes))
     if result.returncode != 0:

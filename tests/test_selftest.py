@@ -103,3 +103,22 @@ def test_first_cell_imports_are_the_import_statements_of_the_first_code_cell():
               "x = 1\nimport torch  # later, still top level\n\n# %%\nimport json\n")
     assert selftest.first_cell_imports(lesson) == ["import os", "from pathlib import Path",
                                                     "import torch"]
+
+
+@pytest.mark.gpu
+def test_the_selftest_passes_on_every_gpu_of_this_node(builtin_data, tmp_path):
+    """On a GPU node: every stage on one GPU and on all of them, bf16 (or fp16) losses within
+    the tolerance of the std stage's, the measured peak memory below coursekit.memory's
+    prediction (the generator's micro-batches rely on it)."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU here")
+    result = subprocess.run(selftest_command(tmp_path, "--data", builtin_data, "--preset",
+                                             "small"), capture_output=True, text=True,
+                            cwd=KIT_ROOT, timeout=1800)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "selftest.json").read_text())
+    assert report["ok"] and report["plan"]["device"] == "cuda"
+    for run in report["runs"]:
+        if run["peak_bytes"] is not None:
+            assert run["peak_bytes"] <= run["predicted_bytes"], run
