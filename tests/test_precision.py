@@ -105,3 +105,14 @@ def test_this_gpu_trains_in_the_format_its_hardware_computes_in():
     with precision.autocast:
         product = torch.ones(64, 64, device=device) @ torch.ones(64, 64, device=device)
     assert product.dtype == precision.dtype
+
+
+@pytest.mark.parametrize("flags, compiled", [([], False), (["--compile"], True),
+                                             (["--no-compile"], False)])
+def test_compile_is_on_by_default_only_on_gpus(builtin_data, tmp_path, flags, compiled):
+    """On this CPU the default is off (compiling costs more than it saves here); on a GPU it is
+    on, and --no-compile turns it off (parse_args' rule: on where CUDA runs the model)."""
+    from coursekit import stages
+    args = stages.load("std").parse_args(["--preset", "tiny", "--device", "cpu", "--data",
+                                          str(builtin_data), "--out", str(tmp_path / "r"), *flags])
+    assert args.compile is compiled

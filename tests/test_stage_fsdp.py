@@ -156,3 +156,30 @@ def test_one_process_needs_no_launcher(one_process):
     assert "Warning" not in result.stderr, result.stderr  # no noise at exit
     assert (out / "ckpt" / "step_00000003" / ".metadata").is_file()
     assert (out / "sample.txt").read_text().strip()
+
+
+def test_the_root_stays_gathered_from_forward_to_backward(tmp_path):
+    """The blocks give their gathered parameters back after forward; the root (embeddings, final
+    norm, the tied head used at both ends of the model) keeps them until backward, instead of
+    gathering the largest matrix again (reference trainers' reshard_after_forward=False)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from coursekit import stages, training
+    fsdp = stages.load("fsdp")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        config = fsdp.GPTConfig(vocab_size=256, block_size=16, n_layer=2, n_head=2, n_embd=32)
+        model = fsdp.GPT(config)
+        precision = training.prepare_device(torch.device("cpu"), "fp32")
+        fsdp.apply_fsdp(model, init_device_mesh("cpu", (1,)), False, precision)
+        # torch from 2.8 keeps the root gathered by itself; 2.6 and 2.7 (the stages' minimum is
+        # 2.6) resharded it unless told, which the stage does: its setting, not torch's default
+        assert model._get_fsdp_state()._auto_reshard_after_forward is False
+        model(torch.zeros(1, 16, dtype=torch.long))
+        assert not isinstance(model.lm_head.weight, DTensor)  # gathered: a plain tensor
+        assert isinstance(model.transformer.h["0"].mlp.c_fc.weight, DTensor)  # sharded again
+    finally:
+        dist.destroy_process_group()
