@@ -596,8 +596,15 @@ def selftest_job(profile, topology):
               'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
               "export MASTER_ADDR",
               f"python -m coursekit selftest --nodes {topology.nodes} --per-node {topology.gpus} "
-              f"--preset {profile['preset']} --out {out}"]
+              f"--preset {profile['preset']} --out {out}{selftest_steps(profile)}"]
     return "\n".join(lines) + "\n"
+
+
+def selftest_steps(profile):
+    """A site whose training jobs run a few steps (--max-steps in train_args: the test cluster)
+    self-tests with as few; others with the self-test's default."""
+    steps = re.search(r"--max-steps[ =](\d+)", profile["train_args"])
+    return f" --steps {steps[1]}" if steps else ""
 
 
 def expected_files(site, root=KIT_ROOT):

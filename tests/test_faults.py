@@ -49,7 +49,8 @@ def test_a_hung_rank_stops_the_others_within_the_timeout_naming_the_collective(b
     assert timeout <= waited < timeout + 10
     # rank 0 waits in the next collective: DDP's gradient all-reduce of step 4
     assert re.match(rf"error: rank 0 of 2: the gradient all-reduce in backward \(DDP\) at "
-                    rf"train_gpt2_ddp\.py:\d+ \(loss.backward\(\)\) did not complete within "
+                    rf"train_gpt2_ddp\.py:\d+ \(precision\.scaler\.scale\(loss\)\.backward\(\).*\) "
+                    rf"did not complete within "
                     rf"{timeout} s \(KIT_DIST_TIMEOUT\): another process hung", error)
     assert "the last checkpoint is intact: run the same command again with --resume" in error
 

@@ -20,4 +20,4 @@ export OMP_NUM_THREADS=$((SLURM_CPUS_PER_TASK / 2))  # the CPU cores each proces
 # runs on several nodes meet at the allocation's first host, where this shell runs
 MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 export MASTER_ADDR
-python -m coursekit selftest --nodes 2 --per-node 2 --preset tiny --out runs/ci-selftest-2n2g
+python -m coursekit selftest --nodes 2 --per-node 2 --preset tiny --out runs/ci-selftest-2n2g --steps 6

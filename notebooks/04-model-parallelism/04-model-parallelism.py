@@ -276,7 +276,13 @@ print(diffs.report(LESSON, diffs.status(LESSON, FSDP_COPY)))
 RUNS = Path("runs")
 
 
-def launch(stage, processes, name, *flags, steps=6, preset="tiny"):
+# With 4 GPUs, every run below trains on GPUs, the small model (the tiny one would leave them
+# idle); with fewer, CPU processes train the tiny one, so that all runs compare alike.
+RUN_PRESET = "small" if GPUS >= 4 else "tiny"
+RUN_MODEL = memory.Model.from_preset(presets.get_preset(RUN_PRESET))
+
+
+def launch(stage, processes, name, *flags, steps=6, preset=RUN_PRESET):
     """Run a stage script on `processes` processes (GPUs if there are enough, else CPU ones) and
     return (metrics, the per-rank memory report or None)."""
     out = RUNS / name
@@ -310,14 +316,14 @@ for n, (metrics, _) in fsdp_runs.items():
 MiB = 2**20
 rows = ["| processes | part | predicted MiB per rank | measured MiB (each rank) |", "|---|---|---|---|"]
 for n, (_, reports) in fsdp_runs.items():
-    predicted = memory.per_rank_bytes(TINY, "fsdp", n)
+    predicted = memory.per_rank_bytes(RUN_MODEL, "fsdp", n)
     for part in ("params", "grads", "optimizer"):
         measured = ", ".join(f"{r[part] / MiB:.2f}" for r in reports)
         rows.append(f"| {n} | {part} | {predicted[part] / MiB:.2f} | {measured} |")
     peaks = ", ".join(f"{r['peak'] / MiB:.0f}" for r in reports)
     rows.append(f"| {n} | peak ({reports[0]['peak_kind']}) | | {peaks} |")
 display(Markdown("\n".join(rows)))
-off = max(abs(r[part] / memory.per_rank_bytes(TINY, "fsdp", n)[part] - 1)
+off = max(abs(r[part] / memory.per_rank_bytes(RUN_MODEL, "fsdp", n)[part] - 1)
           for n, (_, reports) in fsdp_runs.items() for r in reports
           for part in ("params", "grads", "optimizer"))
 print(f"largest difference between a rank's shard and the prediction: {off:.2%}")
@@ -453,7 +459,7 @@ print(diffs.report(LESSON, diffs.status(LESSON, tp_copy, stage="tp")).splitlines
 tp_run, tp_reports = launch("tp", 2, "tp-2", "--tp", 2)
 print(f"tp on 2 processes: largest loss difference from ddp over {len(tp_run)} steps: "
       f"{max(abs(a['loss'] - b['loss']) for a, b in zip(tp_run, ddp_run)):.1e}")
-predicted = 4 * TINY.tensor_parallel_parameters(2)
+predicted = 4 * RUN_MODEL.tensor_parallel_parameters(2)
 measured = ", ".join(f"{r['params'] / MiB:.2f}" for r in tp_reports)
 print(f"parameters per rank: predicted {predicted / MiB:.2f} MiB, measured {measured} MiB")
 
@@ -550,14 +556,15 @@ print(diffs.report(LESSON, diffs.status(LESSON, pp_copy, stage="pp")).splitlines
 pp_run, pp_reports = launch("pp", 2, "pp-2", "--schedule", "1f1b")
 print(f"pp on 2 processes (1F1B): largest loss difference from ddp over {len(pp_run)} steps: "
       f"{max(abs(a['loss'] - b['loss']) for a, b in zip(pp_run, ddp_run)):.1e}")
-for rank, (report, n) in enumerate(zip(pp_reports, TINY.pipeline_stage_parameters(2))):
+for rank, (report, n) in enumerate(zip(pp_reports, RUN_MODEL.pipeline_stage_parameters(2))):
     print(f"stage {rank}: parameters predicted {4 * n / MiB:.2f} MiB, measured "
           f"{report['params'] / MiB:.2f} MiB")
 
 # %% [markdown]
 # Both stages hold about half of the bytes, but not half of the work. The tiny model's output
-# head multiplies every token by a $64 \times 50{,}304$ matrix, about 12 times the work of all four
-# blocks together, and it sits on the last stage: the first stage waits most of the time. That is
+# head (the CPU runs') multiplies every token by a $64 \times 50{,}304$ matrix, about 12 times the
+# work of all four blocks together (the small model's, on 4 GPUs, 1.6 times the work of its six),
+# and it sits on the last stage: the first stage waits most of the time. That is
 # *imbalance*, the first thing a real pipeline split must fix (by giving the last stage fewer
 # blocks), and it would hide the bubble completely.
 #
