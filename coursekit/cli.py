@@ -4,6 +4,7 @@
     tokenizer fetch                            put the GPT-2 tokenizer files in the offline cache
     data prepare --source builtin --out DIR    build the offline corpus
     data prepare --source fineweb-edu --out DIR --shards N [--sample-file F]
+    images prepare --out DIR [--source FOLDER --size S]   lesson 08's images, as files and shards
     presets                                    the model and batch sizes of each preset
     assignments [--root DIR]                   nbgrader student versions of every lesson
     book [--edition reader|instructor]         execute the lessons and build an edition of the book
@@ -102,6 +103,21 @@ def build_parser():
                                "instead of the hub")
     data_cmd.add_argument("--workers", type=positive_int, default=None,
                           help="processes for reading and tokenising (default: all cores)")
+
+    images = commands.add_parser("images", help="image data for lesson 08, as files and shards")
+    images.add_argument("action", choices=["prepare"])
+    images.add_argument("--out", required=True, help="a new folder for files/, shards/, meta.json")
+    images.add_argument("--source", help="an ImageNet-style folder (a folder of images per class) "
+                                         "instead of the kit's own shapes")
+    images.add_argument("--size", type=positive_int,
+                        help="pixels a side (default 32 for the shapes; a folder's images keep "
+                             "theirs unless given)")
+    images.add_argument("--count", type=positive_int, default=6000,
+                        help="shapes: training images (a sixth as many for validation)")
+    images.add_argument("--format", choices=["jpeg", "png"], default="jpeg", dest="image_format")
+    images.add_argument("--shard-size", type=positive_int, default=1000, help="images per tar shard")
+    images.add_argument("--workers", type=positive_int, default=None,
+                        help="processes drawing and encoding (default: all cores)")
 
     commands.add_parser("presets", help="list the presets")
 
@@ -243,6 +259,17 @@ def run_data(args):
     print(f"prepared {args.source} in {args.out}: {counts} ({time.perf_counter() - start:.1f} s)")
 
 
+def run_images(args):
+    from coursekit import images
+    start = time.perf_counter()
+    meta = images.prepare(args.out, args.source, args.size, args.count, args.image_format,
+                          args.shard_size, args.workers)
+    counts = ", ".join(f"{split} {s['images']:,} images in {len(s['shards'])} shard(s)"
+                       for split, s in meta["splits"].items())
+    print(f"prepared {meta['source']} in {args.out}: {len(meta['classes'])} classes, {counts} "
+          f"({time.perf_counter() - start:.1f} s)")
+
+
 def run_presets(args):
     from coursekit.presets import PRESETS
     for preset in PRESETS.values():
@@ -355,7 +382,7 @@ COMMANDS = {"envcheck": run_envcheck, "tokenizer": run_tokenizer, "data": run_da
             "batchfiles": run_batchfiles, "export-hf": run_export_hf, "instruct": run_instruct,
             "verify-data": run_verify_data, "registry": run_registry, "free-port": run_free_port,
             "mlflow-server": run_mlflow_server, "trainee-kit": run_trainee_kit,
-            "selftest": run_selftest}
+            "selftest": run_selftest, "images": run_images}
 
 
 def main(argv=None):
