@@ -32,8 +32,8 @@ from tqdm import tqdm
 
 from coursekit import KitError, runs
 
-CLASSES = ("circle", "ring", "triangle", "square", "pentagon", "hexagon", "star", "cross",
-           "half-disc", "stripes")
+CLASSES = ("circle", "ring", "triangle", "square", "frame", "dots", "star", "cross", "half-disc",
+           "stripes")
 FORMATS = {"jpeg": ("jpg", {"quality": 90}), "png": ("png", {})}
 SPLITS = {"train": 0, "val": 1}  # part of each image's seed
 IMAGE_SUFFIXES = {".jpg", ".jpeg", ".png", ".bmp", ".webp"}
@@ -70,6 +70,14 @@ def draw_shape(draw, label, centre, radius, angle, colour, size):
         for a in (angle, angle + math.pi / 2):
             dx, dy = radius * math.cos(a), radius * math.sin(a)
             draw.line((x - dx, y - dy, x + dx, y + dy), fill=colour, width=width)
+    elif name == "frame":  # a square's outline
+        draw.polygon(polygon(centre, radius, 4, angle), outline=colour, width=width)
+    elif name == "dots":  # three small discs on a circle
+        for k in range(3):
+            a = angle + 2 * math.pi * k / 3
+            dx, dy = 0.6 * radius * math.cos(a), 0.6 * radius * math.sin(a)
+            r = radius * 0.3
+            draw.ellipse((x + dx - r, y + dy - r, x + dx + r, y + dy + r), fill=colour)
     elif name == "stripes":
         dx, dy = math.cos(angle), math.sin(angle)  # three parallel bars across the shape's box
         for offset in (-0.6, 0, 0.6):
@@ -78,7 +86,7 @@ def draw_shape(draw, label, centre, radius, angle, colour, size):
                        x + ox + dx * radius, y + oy + dy * radius), fill=colour,
                       width=max(1, width // 2))
     else:
-        corners = {"triangle": 3, "square": 4, "pentagon": 5, "hexagon": 6, "star": 5}[name]
+        corners = {"triangle": 3, "square": 4, "star": 5}[name]
         draw.polygon(polygon(centre, radius, corners, angle,
                              inner=radius * 0.45 if name == "star" else None), fill=colour)
 
@@ -89,11 +97,11 @@ def shape_image(split, index, size):
     rng = np.random.default_rng([SPLITS[split], index])
     label = index % len(CLASSES)
     background = rng.integers(0, 256, 3)
-    noise = rng.normal(0, 18, (size, size, 3))
+    noise = rng.normal(0, 12, (size, size, 3))
     pixels = np.clip(background + noise, 0, 255).astype(np.uint8)
     image = Image.fromarray(pixels, "RGB")
     colour = tuple(int(c) for c in (background + 128 + rng.integers(-40, 41, 3)) % 256)
-    radius = size * rng.uniform(0.2, 0.42)
+    radius = size * rng.uniform(0.28, 0.45)
     centre = tuple(size / 2 + rng.uniform(-0.5, 0.5, 2) * (size - 2 * radius))
     draw_shape(ImageDraw.Draw(image), label, centre, radius, rng.uniform(0, 2 * math.pi),
                colour, size)

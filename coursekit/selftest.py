@@ -260,8 +260,9 @@ def planned_runs(plan):
     planned = [(stage, 1) for stage in ONE_DEVICE]
     if plan.processes > 1:
         n_layer = presets.get_preset(plan.preset).n_layer
-        planned += [(stage, plan.processes) for stage in ALL_DEVICES
-                    if stage != "pp" or plan.processes <= n_layer]
+        runnable = {"pp": plan.processes <= n_layer,  # a block per stage at least
+                    "tp": tensor_parallel_size(plan) > 1}  # a node's GPUs share the heads
+        planned += [(stage, plan.processes) for stage in ALL_DEVICES if runnable.get(stage, True)]
     return planned
 
 

@@ -46,6 +46,9 @@ LORA_STEPS = int(re.search(r"--max-steps (\d+)", CI["finetune_args"]).group(1))
 # The ddp stage started by srun, one task per process (the launcher of sites that bind each task
 # to its cores, such as LUMI), generated into the test's folder: 2 nodes x 1 task
 SRUN_LAUNCHED = "batch-ddp-2n1g-srun.sh"
+# The self-test across 2 nodes, 1 process each (the committed 2n2g file with smaller numbers):
+# generated into the test's folder as well
+SELFTEST_ACROSS_NODES = "batch-selftest-2n1g.sh"
 STEPS = int(re.search(r"--max-steps (\d+)", CI["train_args"]).group(1))
 SITES = [site for site in slurm.site_names() if site != "ci"]
 # Job states Slurm keeps for MinJobAge (300 s) once a job has ended: a poll cannot miss them
@@ -110,7 +113,7 @@ def study_dir(name):
 
 
 def batch_file(cluster, name):
-    if name == SRUN_LAUNCHED:
+    if name in (SRUN_LAUNCHED, SELFTEST_ACROSS_NODES):
         return cluster["logs"] / name
     return KIT_ROOT / "batchfiles" / "ci" / name
 
@@ -332,11 +335,13 @@ def test_mlflow_ui_job_serves_the_tracking_store_to_its_owner_on_loopback_only(c
 
 
 def test_the_selftest_job_trains_every_stage_across_both_nodes(cluster, builtin_in_kit):
-    """The self-test as an instructor submits it: 2 nodes x 2 processes, every multi-process run
-    started across both (srun, a torchrun per node; Lightning a task per process), the reference
-    and one-device runs on the first node; its report says so."""
-    name = "batch-selftest-2n2g.sh"
-    out = KIT_ROOT / "runs" / "ci-selftest-2n2g"
+    """The self-test as an instructor submits it, across 2 nodes: every multi-process run started
+    across both (srun, a torchrun per node; Lightning a task per process), the reference and
+    one-device runs on the first node; its report says so. (On one node, as a GPU session runs
+    it: tests/test_selftest.py.)"""
+    name = SELFTEST_ACROSS_NODES
+    batch_file(cluster, name).write_text(slurm.selftest_job(CI, slurm.Topology(2, 1)))
+    out = KIT_ROOT / "runs" / "ci-selftest-2n1g"
     shutil.rmtree(out, ignore_errors=True)
     job_id = submit(cluster, name)
     status, record = wait_for_job(cluster, job_id)
@@ -347,11 +352,12 @@ def test_the_selftest_job_trains_every_stage_across_both_nodes(cluster, builtin_
         assert status == 0, log[-3000:] + failed
         assert f"self-test passed: {out.relative_to(KIT_ROOT)}/selftest.md" in log
         report = runs.read_json(out / "selftest.json")
-        assert report["ok"] and report["plan"]["processes"] == 4, report["failures"]
+        assert report["ok"] and report["plan"]["processes"] == 2, report["failures"]
+        # tp needs 2 GPUs of a node to share the heads: with 1 a node, it is left out
         assert {(r["stage"], r["processes"]) for r in report["runs"] if r["ok"]} == \
             {*[(s, 1) for s in ("std", "ddp", "fsdp", "lit")],
-             *[(s, 4) for s in ("ddp", "fsdp", "tp", "pp", "lit")]}
-        assert report["allreduce"]["ranks"] == 4
+             *[(s, 2) for s in ("ddp", "fsdp", "pp", "lit")]}
+        assert report["allreduce"]["ranks"] == 2
         assert "NodeList=node[1-2]" in record
     finally:
         shutil.rmtree(out, ignore_errors=True)

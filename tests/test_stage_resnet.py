@@ -1,0 +1,100 @@
+"""Lesson 08's stage: a ResNet under DDP learns the kit's shapes from the sharded layout on 2
+processes, resumes a stopped run exactly from the per-file layout, and refuses bad input in one
+line."""
+import signal
+import subprocess
+
+import pytest
+
+from conftest import ONE_THREAD, kit_env, made_once, run_stage, stage_command, torchrun
+from coursekit import KIT_ROOT, images, runs, stages
+from helpers import interrupt
+
+pytestmark = pytest.mark.stages
+RESNET = KIT_ROOT / "solutions" / "train_resnet_ddp.py"
+SCRIPT = RESNET.name
+#: a ResNet-18 a quarter as wide, 32 images per process and step, on this machine's CPU
+SMALL = ["--width", "16", "--batch-size", "32", "--lr", "0.2", "--device", "cpu"]
+
+
+@pytest.fixture(scope="session")
+def shapes(tmp_path_factory):
+    """The kit's images, as `coursekit images prepare` writes them: 6,000 for training."""
+    return made_once(tmp_path_factory, "shapes", lambda out: images.prepare(out, workers=1))
+
+
+def test_two_processes_learn_the_shapes_from_shards(shapes, tmp_path):
+    """10 classes: chance is 10%. Each process reads its own shards with its loader worker, and
+    augments on the device."""
+    result = torchrun(2, RESNET, *SMALL, "--data", shapes, "--out",
+                      tmp_path, "--layout", "shards", "--workers", "1", "--max-steps", "200",
+                      "--eval-interval", "100", env=kit_env(ONE_THREAD))
+    assert "2 process(es) | kit ResNet" in result.stdout
+    metrics = runs.read_metrics(tmp_path)
+    assert [r["step"] for r in metrics] == list(range(1, 201))
+    assert metrics[-1]["val_acc"] > 0.4, [r.get("val_acc") for r in metrics if "val_acc" in r]
+    assert all(r["images_per_s"] > 0 and 0 <= r["wait_ms"] <= r["ms"] for r in metrics)
+    assert runs.load_checkpoint(tmp_path)[0] == 200
+
+
+FILES_RUN = [*SMALL, "--layout", "files", "--workers", "0", "--max-steps", "12",
+             "--eval-interval", "6", "--ckpt-interval", "100"]
+
+
+def test_a_stopped_run_resumes_exactly_where_it_stopped(shapes, tmp_path):
+    """SIGUSR1 at step 5: checkpoint, exit 0; --resume then trains steps 6-12 exactly as the
+    uninterrupted run did (the same batches of the same shuffle, augmentation and weights)."""
+    whole = run_stage(SCRIPT, *FILES_RUN, "--data", shapes, "--out", tmp_path / "whole",
+                      env=kit_env(ONE_THREAD))
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    command = stage_command(SCRIPT, *FILES_RUN, "--data", shapes, "--out", tmp_path / "cut")
+    process = interrupt.start(command, kit_env(ONE_THREAD))
+    lines = interrupt.read_until(process, "step 5/")
+    process.send_signal(signal.SIGUSR1)
+    returncode, output = interrupt.finish(process, lines)
+    stopped_at = runs.load_checkpoint(tmp_path / "cut")[0]
+    assert returncode == 0 and f"SIGUSR1 received: checkpoint saved at step {stopped_at}" in output
+    assert 5 <= stopped_at < 12
+    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True,
+                             env=kit_env(ONE_THREAD), timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    expected, got = runs.read_metrics(tmp_path / "whole"), runs.read_metrics(tmp_path / "cut")
+    assert [r["step"] for r in got] == list(range(1, 13))
+    for a, b in zip(got, expected, strict=True):
+        assert (a["loss"], a["lr"], a.get("val_acc")) == (b["loss"], b["lr"], b.get("val_acc"))
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--workers", "-1"], "--workers -1: use 0 (load in this process) or more"),
+    (["--warmup-steps", "900", "--max-steps", "10"],
+     "--warmup-steps 900 must be between 0 and --max-steps (10)"),
+    (["--layout", "tar"], "argument --layout: invalid choice: 'tar'"),
+])
+def test_bad_arguments_are_one_line(shapes, tmp_path, capsys, args, message):
+    resnet = stages.load_script(RESNET)
+    with pytest.raises(SystemExit) as stopped:
+        resnet.parse_args(["--data", str(shapes), "--out", str(tmp_path / "r"), *args])
+    stderr = capsys.readouterr().err
+    assert stopped.value.code == 2 and message in stderr and stderr.count("\n") == 1, stderr
+
+
+def test_missing_images_say_how_to_prepare_them(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        stages.load_script(RESNET).parse_args(["--data", str(tmp_path / "none")])
+    assert (f"no prepared images in {tmp_path / 'none'} (meta.json missing): run `python -m "
+            f"coursekit images prepare --out {tmp_path / 'none'}`") in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--layout", "shards", "--workers", "7"],
+     "--layout shards: 6 training shards for 1 process(es) x 7 loader worker(s)"),
+    (["--model", "torchvision-resnet18"], "--model torchvision-resnet18: torchvision does not "
+                                          "import here"),
+], ids=["too-many-readers", "torchvision"])
+def test_what_cannot_run_here_stops_the_script_with_one_line(shapes, tmp_path, args, message):
+    """As whole processes: more shard readers than shards; torchvision, which this machine's
+    CPU torch cannot import (its registry wheels need CUDA torch)."""
+    result = run_stage(SCRIPT, *SMALL, "--data", shapes, "--out", tmp_path, *args)
+    assert result.returncode == 1 and message in result.stderr, result.stderr[-2000:]
+    assert result.stderr.strip().count("\n") == 0, result.stderr
