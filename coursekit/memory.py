@@ -195,6 +195,14 @@ def fits(total_bytes):
     return {gb: fits_in(total_bytes, gb) for gb in DEVICE_GB}
 
 
+def micro_batch_fits(preset, strategy, ranks, precision, micro_batch, device_gb):
+    """Does one of ``ranks`` ranks training ``preset`` under ``strategy`` at ``micro_batch`` fit a
+    device of ``device_gb`` GB, by its peak (per_rank_bytes) and fits_in's margin?"""
+    peak = per_rank_bytes(Model.from_preset(preset), strategy, ranks, precision, micro_batch,
+                          preset.seq_len)["total"]
+    return fits_in(peak, device_gb)
+
+
 def fits_in(total_bytes, device_gb, usable=0.9):
     """Does it fit a device of ``device_gb`` GB, leaving a tenth of it to the CUDA context, the
     allocator's fragmentation and communication buffers?"""

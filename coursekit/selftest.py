@@ -120,11 +120,9 @@ def largest_micro_batch(preset, device, precision):
     if device != "cuda":
         return preset.micro_batch
     gpu_gb = torch.cuda.get_device_properties(0).total_memory / 1e9
-    model = memory.Model.from_preset(preset)
+    counted_as = "fp32" if precision == "fp32" else f"{precision}-mixed"
     for micro in range(preset.micro_batch, 0, -1):
-        peak = memory.per_rank_bytes(model, "ddp", 1, f"{precision}-mixed" if precision != "fp32"
-                                     else "fp32", micro, preset.seq_len)["total"]
-        if memory.fits_in(peak, gpu_gb):
+        if memory.micro_batch_fits(preset, "ddp", 1, counted_as, micro, gpu_gb):
             return micro
     raise KitError(f"the {preset.name} preset does not fit this {gpu_gb:.0f} GB GPU even one "
                    "sample at a time: use --preset small")

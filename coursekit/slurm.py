@@ -268,12 +268,10 @@ def memory_model(stage, profile, topology):
 def fits_gpu(stage, profile, topology, micro_batch):
     """Does a process of the stage fit the profile's GPU memory at ``micro_batch``, by
     coursekit.memory's count of its peak, a tenth of the GPU to spare? 16-bit on GPUs."""
-    preset = presets.get_preset(profile["preset"])
     strategy, ranks = memory_model(stage, profile, topology)
     precision = "fp32" if profile["gpu_vendor"] == "none" else "bf16-mixed"
-    peak = memory.per_rank_bytes(memory.Model.from_preset(preset), strategy, ranks, precision,
-                                 micro_batch, preset.seq_len)["total"]
-    return memory.fits_in(peak, profile["gpu_memory_gb"])
+    return memory.micro_batch_fits(presets.get_preset(profile["preset"]), strategy, ranks,
+                                   precision, micro_batch, profile["gpu_memory_gb"])
 
 
 def fitting_micro_batches(stage, profile, topology):
