@@ -72,6 +72,11 @@ FIELDS = {
     "finetune_args": (str, "extra flags of the lora stage (solutions/finetune_lora.py), or empty"),
     "hpo_args": (str, "flags of the Optuna study (solutions/hpo_optuna.py): --trials, budgets"),
     "hpo_workers": (int, "array tasks of an hpo job: the study's workers"),
+    "images": (str, "lesson 08's prepared images (the resnet stage's --data), relative to the "
+                    "kit's root"),
+    "images_command": (str, "the command that prepares them"),
+    "resnet_args": (str, "extra flags of the resnet stage (solutions/train_resnet_ddp.py), or "
+                         "empty"),
     "signal_seconds": (int, "seconds before the time limit at which the job checkpoints"),
 }
 
@@ -84,15 +89,17 @@ SLURM_NAME = (re.compile(r"[A-Za-z0-9_.-]*"), "letters, digits, '_', '.' and '-'
 SLURM_TIME = (re.compile(r"(\d+-)?\d{1,2}:\d{2}:\d{2}"), "HH:MM:SS or D-HH:MM:SS")
 SHELL_WORDS = (re.compile(r'[A-Za-z0-9 _./:=,@%+"-]*'),
                "options and words of letters, digits, spaces and _./:=,@%+-, grouped with \"...\"")
+DATA_PATH = (re.compile(r"[A-Za-z0-9_./-]+"), "a path of letters, digits and _./-")
 TEXT_FIELDS = {
     "description": (ONE_LINE, "one line of text"),
     "account": SLURM_NAME, "partition": SLURM_NAME, "qos": SLURM_NAME,
     "time": SLURM_TIME, "max_time": SLURM_TIME,
     "gpu_request": (re.compile(r"(--[a-z-]+=[A-Za-z0-9_:.,-]*\{gpus\}[A-Za-z0-9_:.,-]*)?"),
                     "one --option=value with {gpus} in the value, or empty"),
-    "data": (re.compile(r"[A-Za-z0-9_./-]+"), "a path of letters, digits and _./-"),
+    "data": DATA_PATH, "images": DATA_PATH,
     "srun_args": SHELL_WORDS, "train_args": SHELL_WORDS, "finetune_args": SHELL_WORDS,
-    "hpo_args": SHELL_WORDS, "data_command": SHELL_WORDS,
+    "hpo_args": SHELL_WORDS, "data_command": SHELL_WORDS, "images_command": SHELL_WORDS,
+    "resnet_args": SHELL_WORDS,
 }
 SETUP_LINE = (ONE_LINE, "one line of shell each")
 ENV_NAME = (re.compile(r"[A-Za-z_][A-Za-z0-9_]*"), "a shell variable name")
@@ -346,19 +353,37 @@ def launch_command(stage, profile, topology, run_dir):
         launcher = [RESTARTS_NOTE + SINGLE_QUOTED_NOTE
                     + f"{srun} {launch.PER_NODE_SHELL} torchrun",
                     " ".join(options[:-2]), " ".join(options[-2:])]
-    args = [f"solutions/train_gpt2_{stage}.py --preset {profile['preset']} "
-            f"--data {profile['data']} --out {run_dir} --resume"]
-    parallel, replicas = model_parallel_flags(stage, profile, topology)
-    if stage != "pp":  # pp's flags cut its minibatch into microbatches already
-        parallel.append(batch_split_flags(stage, profile, topology, replicas))
-    extra = " ".join(parallel).split() + profile["train_args"].split()
+    script, extra = training_arguments(stage, profile, topology, run_dir)
     if profile["gpu_vendor"] == "none":
         extra += ["--device", "cpu"]
     if stage == "lit":
         extra += ["--devices", str(topology.gpus), "--num-nodes", str(topology.nodes)]
-    if extra:
-        args.append(" ".join(extra))
-    return " \\\n    ".join(launcher + args)
+    return " \\\n    ".join(launcher + [script] + ([" ".join(extra)] if extra else []))
+
+
+def training_arguments(stage, profile, topology, run_dir):
+    """The stage's script with its data and run directory, and its further flags (a list)."""
+    if stage == "resnet":
+        script = (f"solutions/train_resnet_ddp.py --data {profile['images']} --out {run_dir} "
+                  "--resume")
+        return script, [f"--workers {loader_workers(profile)}", *profile["resnet_args"].split()]
+    script = (f"solutions/train_gpt2_{stage}.py --preset {profile['preset']} "
+              f"--data {profile['data']} --out {run_dir} --resume")
+    parallel, replicas = model_parallel_flags(stage, profile, topology)
+    if stage != "pp":  # pp's flags cut its minibatch into microbatches already
+        parallel.append(batch_split_flags(stage, profile, topology, replicas))
+    return script, " ".join(parallel).split() + profile["train_args"].split()
+
+
+#: The most DataLoader workers a resnet process starts: each is a Python process with a copy of
+#: the loader's state, and past about this many a GPU's images/s is bound by something else.
+MAX_LOADER_WORKERS = 16
+
+
+def loader_workers(profile):
+    """The resnet stage's decoding workers: every core of a process's share but the one that
+    runs the training loop, at most MAX_LOADER_WORKERS."""
+    return min(profile["cpus_per_gpu"] - 1, MAX_LOADER_WORKERS)
 
 
 #: Above a torchrun launch: what --max-restarts does.
@@ -415,7 +440,7 @@ def training_job(stage, topology, profile):
     cpus_per_task = profile["cpus_per_gpu"] * gpus_per_task
     threads = ("$SLURM_CPUS_PER_TASK" if gpus_per_task == 1
                else f"$((SLURM_CPUS_PER_TASK / {gpus_per_task}))")
-    job_name = f"gpt2-{stage}-{topology.name}"
+    job_name = f"{'resnet' if stage == 'resnet' else 'gpt2-' + stage}-{topology.name}"
     run_dir = f"runs/{site}-{stage}-{topology.name}"
     lines = header(f"The {stage} stage on {topology.nodes} node(s) x {topology.gpus} "
                    f"{'GPU(s)' if profile['gpu_vendor'] != 'none' else 'process(es)'}; "
@@ -490,14 +515,20 @@ def private_miopen_cache():
             'export MIOPEN_USER_DB_PATH MIOPEN_CUSTOM_CACHE_DIR="$MIOPEN_USER_DB_PATH"']
 
 
-def data_job(profile):
-    site = profile["name"]
-    lines = header(f"Prepares {profile['data']} once, before the training jobs.", profile, site)
-    lines += sbatch_lines(profile, "gpt2-data", 1, 1, profile["cpus_per_gpu"], requeue=False)
+#: What a data job prepares: {file: (job name, the profile's folder field, its command field)}
+DATA_JOBS = {"batch-data.sh": ("gpt2-data", "data", "data_command"),
+             "batch-images.sh": ("images-data", "images", "images_command")}
+
+
+def data_job(profile, file):
+    """A job that prepares the data the training jobs read, once, with the cores it is given."""
+    site, (job_name, folder, command) = profile["name"], DATA_JOBS[file]
+    lines = header(f"Prepares {profile[folder]} once, before the training jobs.", profile, site)
+    lines += sbatch_lines(profile, job_name, 1, 1, profile["cpus_per_gpu"], requeue=False)
     lines += [*job_preamble(profile, "$SLURM_CPUS_PER_TASK"),
               "# this job is the one that downloads: the profile's offline switches are for training",
               "unset HF_HUB_OFFLINE HF_DATASETS_OFFLINE",
-              f'{profile["data_command"]} --workers "$SLURM_CPUS_PER_TASK"']
+              f'{profile[command]} --workers "$SLURM_CPUS_PER_TASK"']
     return "\n".join(lines) + "\n"
 
 
@@ -605,12 +636,18 @@ def selftest_steps(profile):
     return f" --steps {steps[1]}" if steps else ""
 
 
+def training_stages(root=KIT_ROOT):
+    """The stages a training job can run: the GPT stages of solutions/, lesson 05's fine-tuning
+    (lora) and lesson 08's image classifier (resnet)."""
+    return [*stages.names(root), "lora", "resnet"]
+
+
 def expected_files(site, root=KIT_ROOT):
     """{path relative to the kit's root: text} of every batch file of a site."""
     profile = load_site(site, root)
-    files = {f"batchfiles/{site}/batch-data.sh": data_job(profile),
-             f"batchfiles/{site}/batch-mlflow-ui.sh": mlflow_ui_job(profile)}
-    for stage in [*stages.names(root), "lora"]:
+    files = {f"batchfiles/{site}/{file}": data_job(profile, file) for file in DATA_JOBS}
+    files[f"batchfiles/{site}/batch-mlflow-ui.sh"] = mlflow_ui_job(profile)
+    for stage in training_stages(root):
         for topology in topologies_for(stage, profile):
             files[f"batchfiles/{site}/batch-{stage}-{topology.name}.sh"] = \
                 training_job(stage, topology, profile)

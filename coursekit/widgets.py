@@ -21,7 +21,7 @@ from pathlib import Path
 import ipywidgets as w
 from matplotlib.figure import Figure
 
-from coursekit import KitError, memory, presets, runs, scaling, slurm, stages
+from coursekit import KitError, memory, presets, runs, scaling, slurm
 
 GPT2 = presets.get_preset("gpt2-124m")
 #: Decoder-only shapes to try (GPT-2's sizes from its paper; a 7B and a 70B shape with GPT-2's
@@ -192,7 +192,7 @@ def batchfile_builder(site="ci", stage="ddp"):
     """Site, stage, nodes and GPUs per node in; the generated batch file out."""
     return calculator({
         "site": w.Dropdown(options=slurm.site_names(), value=site, description="site"),
-        "stage": w.Dropdown(options=[*stages.names(), "lora"], value=stage, description="stage"),
+        "stage": w.Dropdown(options=slurm.training_stages(), value=stage, description="stage"),
         "nodes": w.IntSlider(value=1, min=1, max=16, description="nodes"),
         "gpus": w.IntSlider(value=1, min=1, max=8, description="GPUs per node"),
     }, batchfile_text)

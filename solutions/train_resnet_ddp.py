@@ -21,6 +21,7 @@ step waited for its batch), checkpoints, --resume, SIGUSR1/SIGTERM checkpoint an
 import csv
 import functools
 import io
+import itertools
 import random
 import sys
 import time
@@ -85,10 +86,11 @@ class ResumableSampler(DistributedSampler):
         return self.num_samples - self.skip
 
 
-def shard_stream(data_dir, split, transform, seed):
+def shard_stream(data_dir, split, transform, seed, skip_batches=0, batch_size=1):
     """WebDataset over the split's tar shards: each process its own shards (split_by_node), each
     loader worker its own of those (split_by_worker), round and round (repeat), samples shuffled
-    in a buffer."""
+    in a buffer. A resumed run passes the batches already trained on: they are read again but
+    not decoded, so that training goes on with the very batch it stopped before."""
     import webdataset as wds
 
     meta = images.read_meta(data_dir)
@@ -97,7 +99,16 @@ def shard_stream(data_dir, split, transform, seed):
     return (wds.WebDataset(urls, nodesplitter=wds.split_by_node, workersplitter=wds.split_by_worker,
                            shardshuffle=False, empty_check=False)
             .repeat().shuffle(1000, rng=random.Random(seed))
+            .compose(functools.partial(skip_taken, batches=skip_batches, batch_size=batch_size))
             .map(functools.partial(decode_sample, suffix=suffix, transform=transform)))
+
+
+def skip_taken(samples, batches, batch_size):
+    """Drop this loader worker's part of the first ``batches`` batches: the DataLoader takes
+    batch i from worker i % workers, so worker w made every workers-th of them from w on."""
+    worker = torch.utils.data.get_worker_info()
+    workers, me = (worker.num_workers, worker.id) if worker else (1, 0)
+    return itertools.islice(samples, len(range(me, batches, workers)) * batch_size, None)
 
 
 def decode_sample(sample, suffix, transform):
@@ -118,9 +129,10 @@ def check_shards(data_dir, world_size, workers):
 
 class Batches:
     """Training batches, forever: the layout's data through a DataLoader with ``workers``
-    processes, pinned memory and prefetching. ``position`` (epoch, batches into it) goes into
-    checkpoints; the files layout resumes at exactly that batch, the shards layout restarts its
-    streams, reshuffled for the resumed step (the same distribution, not the same sequence)."""
+    processes, pinned memory and prefetching. The position (epoch, batches into it) goes into
+    checkpoints, and a resumed run starts at exactly that batch in either layout: the files
+    layout's sampler skips the indices already dealt, the shards layout's one endless stream the
+    samples already taken."""
 
     def __init__(self, args, rank, world_size, transform, device):
         self.args, self.rank, self.world_size = args, rank, world_size
@@ -134,15 +146,15 @@ class Batches:
             self.per_epoch = images.read_meta(args.data)["splits"]["train"]["images"] // (
                 args.batch_size * world_size)
 
-    def loader(self, seed_step=0):
+    def loader(self):
         args = self.args
         if args.layout == "files":
             self.sampler.set_epoch(self.epoch)  # a new shuffle every epoch, the same on every rank
             self.sampler.skip = self.batch * args.batch_size
             source, sampler = self.dataset, self.sampler
-        else:
-            source = shard_stream(args.data, "train", self.transform,
-                                  f"{args.seed}-{self.rank}-{seed_step}")
+        else:  # epochs only count: the stream goes on across them
+            source = shard_stream(args.data, "train", self.transform, f"{args.seed}-{self.rank}",
+                                  self.epoch * self.per_epoch + self.batch, args.batch_size)
             sampler = None
         # a generator of its own: starting a loader draws a seed, which must not come from the
         # global RNG the augmentation draws from (a resumed run starts one more loader)
@@ -152,7 +164,7 @@ class Batches:
                           generator=torch.Generator().manual_seed(args.seed + self.epoch))
 
     def __iter__(self):
-        iterator = iter(self.loader(seed_step=self.epoch * self.per_epoch + self.batch))
+        iterator = iter(self.loader())
         while True:
             if self.batch == self.per_epoch:  # an epoch is over
                 self.epoch, self.batch = self.epoch + 1, 0

@@ -39,8 +39,10 @@ def test_every_stage_and_topology_has_a_file():
     for site in slurm.site_names():
         profile = slurm.load_site(site)
         names = {p.split("/")[-1] for p in BATCH_FILES if p.split("/")[1] == site}
-        expected = {"batch-data.sh", "batch-mlflow-ui.sh", "batch-std-1n1g.sh"} | {
-            f"batch-{stage}-{t.name}.sh" for stage in ("ddp", "fsdp", "lit", "tp", "pp", "lora")
+        expected = {"batch-data.sh", "batch-images.sh", "batch-mlflow-ui.sh",
+                    "batch-std-1n1g.sh"} | {
+            f"batch-{stage}-{t.name}.sh"
+            for stage in ("ddp", "fsdp", "lit", "tp", "pp", "lora", "resnet")
             for t in slurm.topologies_for(stage, profile)}
         assert expected <= names
 

@@ -22,23 +22,26 @@ import psutil
 import pytest
 
 from conftest import http_get, owner_login
-from coursekit import KIT_ROOT, data, runs, slurm, widgets
+from coursekit import KIT_ROOT, data, images, runs, slurm, widgets
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 CI = slurm.load_site("ci")
 CI_FILES = sorted(p.name for p in (KIT_ROOT / "batchfiles" / "ci").glob("*.sh"))
-TRAINING_FILES = [name for name in CI_FILES if name not in ("batch-data.sh", "batch-mlflow-ui.sh")
+TRAINING_FILES = [name for name in CI_FILES
+                  if name not in ("batch-data.sh", "batch-images.sh", "batch-mlflow-ui.sh")
                   and not name.startswith(("batch-lora", "batch-hpo", "batch-selftest"))]
 LORA_FILES = [name for name in CI_FILES if name.startswith("batch-lora")]
 # Slurm runs every launch once, not every file, each on as few processes as show it: std on 1;
 # ddp on 1 node x 2 (the reference, and the requeue tests' file) and, started by srun, on 2 x 1;
 # tp on 2 x 2 (a tensor-parallel pair on each node, data parallel across them: the 2 x 2 shape,
-# whose file is ddp's with --tp added); fsdp, pp and lit across 2 nodes x 1; lora on 1 node x 2
+# whose file is ddp's with --tp added); fsdp, pp, lit and resnet across 2 nodes x 1; lora on 1 node x 2
 # (the requeue test's) and 2 x 1. Every other file is the text of one of these with other
 # numbers and stage flags (test_every_file_has_the_text_of_a_file_slurm_runs), and passes
 # `sbatch --test-only`.
 TRAINING_RUNS = ["batch-std-1n1g.sh", "batch-ddp-1n2g.sh", "batch-tp-2n2g.sh",
-                 "batch-fsdp-2n1g.sh", "batch-pp-2n1g.sh", "batch-lit-2n1g.sh"]
+                 "batch-fsdp-2n1g.sh", "batch-pp-2n1g.sh", "batch-lit-2n1g.sh",
+                 "batch-resnet-2n1g.sh"]
+GPT_RUNS = [name for name in TRAINING_RUNS if "resnet" not in name]
 LORA_RUNS = ["batch-lora-1n2g.sh", "batch-lora-2n1g.sh"]
 HPO_FILES = [name for name in CI_FILES if name.startswith("batch-hpo")]
 HPO_TRIALS = int(re.search(r"--trials (\d+)", CI["hpo_args"]).group(1))
@@ -49,6 +52,8 @@ SRUN_LAUNCHED = "batch-ddp-2n1g-srun.sh"
 # The self-test across 2 nodes, 1 process each (the committed 2n2g file with smaller numbers):
 # generated into the test's folder as well
 SELFTEST_ACROSS_NODES = "batch-selftest-2n1g.sh"
+# The images job, writing into the test's folder rather than over data/shapes
+IMAGES_AGAIN = "batch-images-again.sh"
 STEPS = int(re.search(r"--max-steps (\d+)", CI["train_args"]).group(1))
 SITES = [site for site in slurm.site_names() if site != "ci"]
 # Job states Slurm keeps for MinJobAge (300 s) once a job has ended: a poll cannot miss them
@@ -97,6 +102,13 @@ def builtin_in_kit():
         data.prepare_builtin(KIT_ROOT / "data" / "builtin", progress=False)
 
 
+@pytest.fixture(scope="session")
+def shapes_in_kit():
+    """The ci profile's resnet jobs train on data/shapes, as lesson 08 prepares it."""
+    if not (KIT_ROOT / CI["images"] / "meta.json").exists():
+        images.prepare(KIT_ROOT / CI["images"], workers=1)
+
+
 def slurm_env(cluster, conf=None):
     """The environment of a Slurm command: the test cluster's, or that of a site's copy."""
     env = {name: value for name, value in cluster.items() if name != "logs"}
@@ -113,7 +125,7 @@ def study_dir(name):
 
 
 def batch_file(cluster, name):
-    if name in (SRUN_LAUNCHED, SELFTEST_ACROSS_NODES):
+    if name in (SRUN_LAUNCHED, SELFTEST_ACROSS_NODES, IMAGES_AGAIN):
         return cluster["logs"] / name
     return KIT_ROOT / "batchfiles" / "ci" / name
 
@@ -210,7 +222,7 @@ class Jobs:
 
 
 @pytest.fixture(scope="session")
-def training(request, cluster, builtin_in_kit):
+def training(request, cluster, builtin_in_kit, shapes_in_kit):
     """The training jobs Slurm runs and the srun-launched ddp job, each run once, as the tests
     ask."""
     write_srun_launched(cluster)
@@ -226,13 +238,14 @@ def test_batch_file_passes_sbatch_test_only(cluster, name):
 
 
 def launch_text(name):
-    """A ci batch file's text with what differs between stages and shapes blanked: the stage's
-    name, the flags that split its model and batch, the Accelerate config (one process, or DDP),
-    and every number."""
+    """A ci batch file's text with what differs between stages and shapes blanked: the job's
+    name, the training script with its flags, the Accelerate config (one process, or DDP), the
+    stage's name, and every number."""
     text = (KIT_ROOT / "batchfiles" / "ci" / name).read_text()
-    text = re.sub(r" --(tp|microbatches|micro-batch) \d+", "", text)
+    text = re.sub(r"--job-name=\S+", "--job-name=NAME", text)
+    text = re.sub(r"solutions/\w+\.py[^&']*", "SCRIPT ", text)  # up to the `&` or closing quote
     text = re.sub(r"solutions/accelerate/\w+\.yaml", "CONFIG", text)
-    text = re.sub(r"(?<![A-Za-z])(std|ddp|fsdp|lit|tp|pp|lora)(?![A-Za-z])", "STAGE", text)
+    text = re.sub(r"(?<![A-Za-z])(std|ddp|fsdp|lit|tp|pp|lora|resnet)(?![A-Za-z])", "STAGE", text)
     return re.sub(r"\d+", "N", text)
 
 
@@ -313,6 +326,24 @@ def test_data_job_prepares_the_corpus_byte_for_byte_again(cluster, builtin_in_ki
     assert [name for name in before if after[name] != before[name]] == []
 
 
+def test_images_job_draws_the_same_images_again(cluster, shapes_in_kit):
+    """The job that prepares the images, writing into a folder of the test's own (the command
+    refuses to overwrite data/shapes): every file and shard the same bytes as data/shapes."""
+    out = cluster["logs"] / "shapes"
+    command = CI["images_command"].replace(f"--out {CI['images']}", f"--out {out}")
+    assert command != CI["images_command"]
+    batch_file(cluster, IMAGES_AGAIN).write_text(
+        slurm.data_job({**CI, "images": str(out), "images_command": command}, "batch-images.sh"))
+    job_id = submit(cluster, IMAGES_AGAIN)
+    status, _ = wait_for_job(cluster, job_id)
+    log = (cluster["logs"] / f"{IMAGES_AGAIN}.{job_id}.out").read_text()
+    assert status == 0 and f"prepared shapes in {out}" in log, log[-3000:]
+    kit = KIT_ROOT / CI["images"]
+    made = sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
+    assert made == sorted(p.relative_to(kit) for p in kit.rglob("*") if p.is_file())
+    assert [p for p in made if (out / p).read_bytes() != (kit / p).read_bytes()] == []
+
+
 def test_mlflow_ui_job_serves_the_tracking_store_to_its_owner_on_loopback_only(cluster):
     job_id = submit(cluster, "batch-mlflow-ui.sh")
     log = cluster["logs"] / f"batch-mlflow-ui.sh.{job_id}.out"
@@ -376,7 +407,8 @@ def test_training_job_finishes_with_its_loss_lines(training, name):
     status, log, metrics, job = training.result(name)
     assert status == 0, log[-3000:]
     steps = STEPS
-    assert re.search(rf"^step {steps}/{steps} \| loss \d+\.\d+ .* \| val \d+\.\d+$", log,
+    assert re.search(rf"^step {steps}/{steps} \| loss \d+\.\d+ .* \| val \d+\.\d+"
+                     rf"(, accuracy \d+\.\d%)?$", log,
                      re.MULTILINE), log[-3000:]
     assert [r["step"] for r in metrics] == list(range(1, steps + 1))
     nodes, processes = map(int, re.match(r"batch-\w+-(\d+)n(\d+)g", name).groups())
@@ -389,10 +421,10 @@ def test_training_job_finishes_with_its_loss_lines(training, name):
 
 
 def test_every_shape_trains_the_same_model(training):
-    """The minibatch is the same whatever the nodes, processes and launcher: so are the losses
-    (the 4-process jobs run a smaller micro-batch to keep it)."""
+    """The minibatch is the same whatever the nodes, processes and launcher: so are the GPT
+    stages' losses (the 4-process jobs run a smaller micro-batch to keep it)."""
     reference = [r["loss"] for r in training.result("batch-ddp-1n2g.sh")[2]]
-    for name in [*TRAINING_RUNS, SRUN_LAUNCHED]:
+    for name in [*GPT_RUNS, SRUN_LAUNCHED]:
         losses = [r["loss"] for r in training.result(name)[2]]
         assert losses == pytest.approx(reference, abs=1e-4), name
 
@@ -441,7 +473,7 @@ def held_at(step):
 
 # The requeue tests' cases: (batch file, how it is stopped)
 REQUEUES = [("batch-ddp-1n2g.sh", "scontrol-requeue"), ("batch-ddp-1n2g.sh", "time-limit-signal"),
-            ("batch-lora-1n2g.sh", "time-limit-signal")]
+            ("batch-lora-1n2g.sh", "time-limit-signal"), ("batch-resnet-2n1g.sh", "scontrol-requeue")]
 
 
 class Requeues:
@@ -518,8 +550,9 @@ def test_stopped_job_is_requeued_and_resumes_like_an_uninterrupted_one(requeued,
     assert status == 0 and "JobState=COMPLETED" in record, text[-4000:] + record
     assert "Restarts=1 " in record, record
     signal_name = STOPS[how][1]
-    # the ddp stage's ranks agree to stop in the all-reduce that carries the next step's loss
-    stopped_at = HOLD_AT + 1 if "ddp" in name else HOLD_AT
+    # the ddp and resnet stages' ranks agree to stop in the all-reduce that carries the next
+    # step's loss
+    stopped_at = HOLD_AT if "lora" in name else HOLD_AT + 1
     assert f"{signal_name} received: checkpoint saved at step {stopped_at};" in text, text[-3000:]
     assert f"resumed from {run_dir(name).relative_to(KIT_ROOT)}/ckpt/step_{stopped_at:08d}" in text
     assert [(r["step"], r["loss"], r.get("val_loss")) for r in got] == \

@@ -1,6 +1,5 @@
 """Lesson 08's stage: a ResNet under DDP learns the kit's shapes from the sharded layout on 2
-processes, resumes a stopped run exactly from the per-file layout, and refuses bad input in one
-line."""
+processes, resumes a stopped run exactly from either layout, and refuses bad input in one line."""
 import signal
 import subprocess
 
@@ -37,17 +36,18 @@ def test_two_processes_learn_the_shapes_from_shards(shapes, tmp_path):
     assert runs.load_checkpoint(tmp_path)[0] == 200
 
 
-FILES_RUN = [*SMALL, "--layout", "files", "--workers", "0", "--max-steps", "12",
-             "--eval-interval", "6", "--ckpt-interval", "100"]
+SHORT_RUN = [*SMALL, "--max-steps", "12", "--eval-interval", "6", "--ckpt-interval", "100"]
 
 
-def test_a_stopped_run_resumes_exactly_where_it_stopped(shapes, tmp_path):
+@pytest.mark.parametrize("layout, workers", [("files", "0"), ("shards", "2")])
+def test_a_stopped_run_resumes_exactly_where_it_stopped(shapes, tmp_path, layout, workers):
     """SIGUSR1 at step 5: checkpoint, exit 0; --resume then trains steps 6-12 exactly as the
-    uninterrupted run did (the same batches of the same shuffle, augmentation and weights)."""
-    whole = run_stage(SCRIPT, *FILES_RUN, "--data", shapes, "--out", tmp_path / "whole",
-                      env=kit_env(ONE_THREAD))
+    uninterrupted run did (the same batches of the same shuffle or stream, the same augmentation
+    and weights). The stream's batches come from 2 loader workers in turn."""
+    run = [*SHORT_RUN, "--layout", layout, "--workers", workers, "--data", shapes]
+    whole = run_stage(SCRIPT, *run, "--out", tmp_path / "whole", env=kit_env(ONE_THREAD))
     assert whole.returncode == 0, whole.stderr[-3000:]
-    command = stage_command(SCRIPT, *FILES_RUN, "--data", shapes, "--out", tmp_path / "cut")
+    command = stage_command(SCRIPT, *run, "--out", tmp_path / "cut")
     process = interrupt.start(command, kit_env(ONE_THREAD))
     lines = interrupt.read_until(process, "step 5/")
     process.send_signal(signal.SIGUSR1)
