@@ -25,6 +25,7 @@ DEEPSPEED_OP := $(TORCH_EXTENSIONS_DIR)/.complete
 TOKENIZER := $(TIKTOKEN_CACHE_DIR)/.complete
 BUILTIN_DATA := data/builtin/meta.json
 INSTRUCT_DATA := data/instruct/meta.json
+SHAPES_DATA := data/shapes/meta.json
 BASE_RUN := runs/base-tiny/.complete
 BASE_MODEL := models/kit-tiny/config.json
 # The book's widgets run on the ipywidgets HTML manager and RequireJS, and its formulas on MathJax,
@@ -88,6 +89,10 @@ $(BUILTIN_DATA): $(CORE) $(TOKENIZER)
 $(INSTRUCT_DATA): $(INSTALLED)
 	$(BIN)/python -m coursekit instruct prepare --out data/instruct
 
+# Lesson 08's images, the kit's shapes: drawn in seconds, the same bytes everywhere.
+$(SHAPES_DATA): $(INSTALLED)
+	$(BIN)/python -m coursekit images prepare --out data/shapes
+
 # The pretrained model lesson 05 fine-tunes: the std stage's tiny run, in Hugging Face format.
 # The corpus is needed first, but preparing it again (the Slurm tests' data job does, with the
 # same content) must not train and export the model again while lessons and tests read it:
@@ -111,7 +116,7 @@ $(BASE_MODEL): $(BASE_RUN) $(INSTALLED)
 # Execute every lesson (cached in _build/.jupyter_cache: unchanged lessons are not re-run) and
 # build the HTML book with warnings as errors. The reader's edition (published) shows exercises as
 # students get them; the instructor's edition shows solutions and hidden tests (coursekit/book.py).
-BOOK_INPUTS := setup $(BOOK_JS) $(BUILTIN_DATA) $(INSTRUCT_DATA) $(BASE_MODEL)
+BOOK_INPUTS := setup $(BOOK_JS) $(BUILTIN_DATA) $(INSTRUCT_DATA) $(SHAPES_DATA) $(BASE_MODEL)
 book: $(BOOK_INPUTS)
 	$(BIN)/python -m coursekit envcheck
 	$(BIN)/python -m coursekit book --edition reader
@@ -122,7 +127,7 @@ book-instructor: $(BOOK_INPUTS)
 # Two pytest-xdist workers of one thread each keep both cores busy (tests/conftest.py: the longest
 # files first, the Slurm tests on one worker; the book is built from nbval's executions of the
 # lessons, so that each lesson executes once for both).
-test: setup $(BOOK_JS) $(INSTRUCT_DATA) $(BASE_MODEL) $(DEEPSPEED_OP)
+test: setup $(BOOK_JS) $(INSTRUCT_DATA) $(SHAPES_DATA) $(BASE_MODEL) $(DEEPSPEED_OP)
 	$(BIN)/python -m pytest -n 2
 
 test-fast: setup

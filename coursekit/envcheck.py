@@ -65,9 +65,14 @@ def collect(root=None):
     }
 
 
+#: What a prepared split counts: a pretraining corpus, an instruction set (lesson 05), images
+#: (lesson 08)
+SIZE_UNITS = ("tokens", "examples", "images")
+
+
 def size_of(split):
-    """A split's size: tokens of a pretraining corpus, examples of an instruction set (lesson 05)."""
-    unit = "tokens" if "tokens" in split else "examples"
+    """A split's size, in the unit its data set counts."""
+    unit = next(unit for unit in SIZE_UNITS if unit in split)
     return f"{split[unit]:,} {unit}"
 
 

@@ -181,6 +181,13 @@ class Batches:
         self.epoch, self.batch = state["epoch"], state["batch"]
 
 
+def make_batches(args, rank, world_size, device):
+    """The training batches of a process, as its flags ask (lesson 08 and
+    benchmarks/input_pipeline.py time them outside a run, from parse_args' flags)."""
+    return Batches(args, rank, world_size, AugmentOnCpu() if args.augment == "cpu" else None,
+                   device)
+
+
 # ----------------------------------------------------------------------------------------------
 # Augmentation, the model, evaluation
 # ----------------------------------------------------------------------------------------------
@@ -317,8 +324,7 @@ def main(argv=None):
     ddp_model = DDP(model)
     optimizer = configure_optimizer(model, args.lr, args.weight_decay)
     augment_on_device = augmentation().to(device) if args.augment == "device" else None
-    batches = Batches(args, rank, world_size, AugmentOnCpu() if args.augment == "cpu" else None,
-                      device)
+    batches = make_batches(args, rank, world_size, device)
 
     run_dir = Path(args.out)
     runs.make_run_dir(run_dir)
@@ -342,14 +348,7 @@ def main(argv=None):
         lr = learning_rate(step, args.lr, args.warmup_steps, args.max_steps)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        with precision.autocast:
-            loss = F.cross_entropy(ddp_model(x).float(), labels)
-        precision.scaler.scale(loss).backward()  # DDP all-reduces the gradients as they come
-        precision.scaler.unscale_(optimizer)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
-        precision.scaler.step(optimizer)
-        precision.scaler.update()
+        loss, grad_norm = train_step(ddp_model, optimizer, precision, x, labels)
         totals = distributed.all_reduce_mean(torch.stack([loss.detach(), stop.flag(device)]))
         loss_value, stopping = totals.tolist()
         dt = time.perf_counter() - t0
@@ -375,6 +374,20 @@ def main(argv=None):
     del ddp_model  # its reducer holds the group: free it first
     distributed.finish()
     return 0
+
+
+def train_step(model, optimizer, precision, x, labels):
+    """Forward, backward (under DDP, the gradients are all-reduced as they come), a clipped
+    step in the device's precision: (the loss, the gradient norm before clipping)."""
+    optimizer.zero_grad(set_to_none=True)
+    with precision.autocast:
+        loss = F.cross_entropy(model(x).float(), labels)
+    precision.scaler.scale(loss).backward()
+    precision.scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 5.0)
+    precision.scaler.step(optimizer)
+    precision.scaler.update()
+    return loss, grad_norm
 
 
 def step_line(record, max_steps):

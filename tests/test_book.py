@@ -67,6 +67,9 @@ EXECUTED_OUTPUTS = {
                  "registered model kit-std version 1, alias champion", "exported Chrome trace"],
     "07-hpo": ["random search beats the grid 93%", "Optuna makes 5 brackets",
                "5 recipes of 3,072 tokens in", "and the same run directory: True"],
+    "08-vision": ["512 images, files opened: 512 .jpg", "The slowest stage here is",
+                  "predicted images/s", "waiting for its batch; validation accuracy",
+                  "at initialisation: 21 weights, trust ratios from"],
 }
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from coursekit import envcheck, instruct
+from coursekit import envcheck, images, instruct
 
 pytestmark = pytest.mark.unit
 TOKENIZER_FILES = ("6d1cbeee0f20b3d9449abfede4726ed8212e3aee",  # tiktoken's cache names of
@@ -120,6 +120,16 @@ def test_an_instruction_set_is_reported_in_examples(tmp_path):
     report = envcheck.report(envcheck.collect(tmp_path))
     assert (f"{directory}: kit-tasks, train {lines['train']:,} examples, "
             f"val {lines['val']:,} examples") in report
+
+
+def test_an_image_set_is_reported_in_images(tmp_path):
+    directory = tmp_path / "data" / "shapes"
+    images.prepare(directory, count=60, workers=1)
+    files = {split: len(list((directory / "files" / split).rglob("*.jpg")))
+             for split in ("train", "val")}
+    report = envcheck.report(envcheck.collect(tmp_path))
+    assert (f"{directory}: shapes, train {files['train']:,} images, "
+            f"val {files['val']:,} images") in report
 
 
 def test_cli_report_and_json():
