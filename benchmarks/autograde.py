@@ -47,12 +47,13 @@ def seconds_per_submission(root, lesson, kind, notebook, copies):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--copies", type=int, default=3, help="submissions per lesson and kind")
-    parser.add_argument("--lessons", nargs="*", default=grading.lessons(KIT_ROOT))
+    parser.add_argument("--lessons", nargs="*", default=grading.lessons(KIT_ROOT),
+                        help="lessons to grade (default: all); the others keep their results")
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     result = {"benchmark": "nbgrader autograde, seconds per submission", "copies": args.copies,
               "class_size": CLASS_SIZE, "date": time.strftime("%Y-%m-%d"), "machine": machine(),
-              "lessons": {}}
+              "lessons": runs.read_json(args.out)["lessons"] if Path(args.out).exists() else {}}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         course_copy(root)
@@ -66,6 +67,7 @@ def main():
             print(f"{lesson:22s} full marks {figures['full_marks']:5.1f} s, release "
                   f"{figures['release']:5.1f} s per submission; a class of {CLASS_SIZE}: "
                   f"{figures['class_minutes']:4.1f} min", flush=True)
+    result["lessons"] = dict(sorted(result["lessons"].items()))
     runs.write_json_atomic(args.out, result)
     print(f"written to {args.out}")
 
