@@ -18,6 +18,8 @@
     registry register RUN_DIR --name N --alias A [--model-dir D]   a run's model into MLflow
     registry load NAME@ALIAS [--prompt P]      load a registered model back and complete P
     free-port                                  a TCP port free on this host now (batch files)
+    ray-node --head --port P | --address H:P   one node of a job's Ray cluster (batch files)
+    ray-nodes --address H:P --expect N         wait for N Ray nodes, run a task on each
     mlflow-server [--store URI] [--port P]     MLflow's UI on 127.0.0.1 behind your own password
     trainee-kit --out DIR                      the kit as trainees get it: no solution, no hidden test
     selftest [--nodes N --steps S]             every stage on one device and all, bandwidth, offline files
@@ -169,6 +171,20 @@ def build_parser():
     commands.add_parser("free-port", help="print a TCP port free on this host now (the batch "
                         "files' rendezvous port)")
 
+    ray_node = commands.add_parser("ray-node", help="one node of a Ray cluster inside a Slurm "
+                                   "job, behind the job's token (batch-ray-*.sh)")
+    role = ray_node.add_mutually_exclusive_group(required=True)
+    role.add_argument("--head", action="store_true", help="the head node")
+    role.add_argument("--address", help="HOST:PORT of the head, for any other node")
+    ray_node.add_argument("--port", type=tcp_port, help="--head: the head's port")
+    ray_node.add_argument("--cpus", type=positive_int, help="CPUs Ray may use on this node")
+    ray_node.add_argument("--gpus", type=int, help="GPUs Ray may use on this node")
+    ray_nodes = commands.add_parser("ray-nodes", help="wait until a Ray cluster has its nodes, "
+                                    "then run a task on each")
+    ray_nodes.add_argument("--address", required=True, help="HOST:PORT of the head")
+    ray_nodes.add_argument("--expect", type=positive_int, required=True, help="nodes to wait for")
+    ray_nodes.add_argument("--timeout", type=positive_int, default=300, help="seconds")
+
     registry = commands.add_parser("registry", help="the MLflow model registry")
     registry.add_argument("action", choices=["register", "load"])
     registry.add_argument("target", metavar="RUN_DIR|NAME@ALIAS",
@@ -227,6 +243,20 @@ def run_trainee_kit(args):
 def run_free_port(args):
     from coursekit import launch
     print(launch.free_port())
+
+
+def run_ray_node(args):
+    from coursekit import raycluster
+    if args.head and args.port is None:
+        raise KitError("ray-node --head needs --port: the port the other nodes join at")
+    return raycluster.run_node(args.head, args.port, args.address, args.cpus, args.gpus)
+
+
+def run_ray_nodes(args):
+    from coursekit import raycluster
+    hosts = raycluster.wait_for_nodes(args.address, args.expect, args.timeout)
+    print(f"ray cluster at {args.address}: {len(hosts)} nodes, a task ran on each: "
+          + ", ".join(sorted(hosts.values())), flush=True)
 
 
 def run_mlflow_server(args):
@@ -382,7 +412,8 @@ COMMANDS = {"envcheck": run_envcheck, "tokenizer": run_tokenizer, "data": run_da
             "batchfiles": run_batchfiles, "export-hf": run_export_hf, "instruct": run_instruct,
             "verify-data": run_verify_data, "registry": run_registry, "free-port": run_free_port,
             "mlflow-server": run_mlflow_server, "trainee-kit": run_trainee_kit,
-            "selftest": run_selftest, "images": run_images}
+            "selftest": run_selftest, "images": run_images, "ray-node": run_ray_node,
+            "ray-nodes": run_ray_nodes}
 
 
 def main(argv=None):

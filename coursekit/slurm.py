@@ -298,7 +298,8 @@ def too_big(stage, profile, topology):
 
 # --- the text of a batch file -------------------------------------------------------------------
 def sbatch_lines(profile, job_name, nodes, tasks_per_node, cpus_per_task, gpus=0, requeue=True,
-                 array_tasks=0):
+                 array_tasks=0, warned=False):
+    """#SBATCH lines; a requeued job (and a ``warned`` one) gets SIGUSR1 before its time limit."""
     lines = [f"--job-name={job_name}"]
     lines += [f"--{key}={profile[key]}" for key in ("account", "partition", "qos") if profile[key]]
     lines += [f"--nodes={nodes}", f"--ntasks-per-node={tasks_per_node}",
@@ -313,6 +314,8 @@ def sbatch_lines(profile, job_name, nodes, tasks_per_node, cpus_per_task, gpus=0
     if requeue:  # a requeued job appends to the same log
         lines += ["--open-mode=append", f"--signal=B:USR1@{profile['signal_seconds']}",
                   "--requeue"]
+    elif warned:
+        lines.append(f"--signal=B:USR1@{profile['signal_seconds']}")
     return [f"#SBATCH {line}" for line in lines]
 
 
@@ -629,6 +632,59 @@ def selftest_job(profile, topology):
     return "\n".join(lines) + "\n"
 
 
+def ray_job(profile, topology):
+    """A Ray cluster on the allocation's nodes, behind a token only the job's owner can read, and
+    a driver script on it: the arguments after the file name (sbatch FILE script.py ...)."""
+    site = profile["name"]
+    run_dir = f"runs/{site}-ray-{topology.name}"
+    gpus = f" --gpus {topology.gpus}" if profile["gpu_vendor"] != "none" else ""
+    node = f'python -m coursekit ray-node --cpus "$SLURM_CPUS_PER_TASK"{gpus}'
+    lines = header(f"A Ray cluster on {topology.nodes} node(s) x {topology.gpus} "
+                   f"{'GPU(s)' if profile['gpu_vendor'] != 'none' else 'process(es)'}, usable "
+                   "by you alone, running a driver script: sbatch <this file> script.py [its "
+                   "arguments]", profile, site)
+    lines += ["# (with no script, the job starts the cluster, runs a task on every node, and ends)"]
+    lines += sbatch_lines(profile, f"ray-{topology.name}", topology.nodes, 1,
+                          profile["cpus_per_gpu"] * topology.gpus, topology.gpus, requeue=False,
+                          warned=True)
+    lines += [*job_preamble(profile, "$SLURM_CPUS_PER_TASK"),
+              f"mkdir -p {run_dir} && chmod 700 {run_dir}",
+              "# Ray runs whatever code a client sends it: every Ray process of this job demands a",
+              "# token, from a file only you can read, made anew for each job",
+              f'export RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH="$PWD/{run_dir}/ray-token"',
+              """(umask 077 && python -c 'import secrets; print(secrets.token_hex(32))' """
+              """> "$RAY_AUTH_TOKEN_PATH")""",
+              "# the head on the allocation's first host (where this shell runs), on a port free",
+              "# there now; the driver's ray.init() finds it in RAY_ADDRESS",
+              'head=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+              'RAY_ADDRESS="$head:$(python -m coursekit free-port)"',
+              "export RAY_ADDRESS",
+              "# each node a step of the job, in the foreground until the job stops it",
+              f'srun --nodes=1 --ntasks=1 -w "$head" {node} --head --port "${{RAY_ADDRESS##*:}}" &']
+    if topology.nodes > 1:
+        others = topology.nodes - 1
+        lines.append(f'srun --nodes={others} --ntasks={others} --exclude="$head" {node} '
+                     '--address "$RAY_ADDRESS" &')
+    lines += ["# however the job ends, stop every node (SIGTERM to the steps) and wait for them",
+              """trap 'scancel --signal=TERM "$SLURM_JOB_ID"; wait' EXIT""",
+              f'python -m coursekit ray-nodes --address "$RAY_ADDRESS" --expect {topology.nodes}',
+              'if [ "$#" = 0 ]; then exit 0; fi',
+              "# Slurm sends SIGUSR1 to this shell before the time limit: pass it to the driver, which",
+              "# checkpoints and stops; then the cluster stops",
+              "signalled=0",
+              """trap 'signalled=1; kill -USR1 "$driver"' USR1""",
+              'python "$@" &',
+              "driver=$!",
+              "status=0",
+              'wait "$driver" || status=$?',
+              'if [ "$signalled" = 1 ]; then  # the signal ended the wait, not the driver',
+              '  status=0',
+              '  wait "$driver" || status=$?',
+              "fi",
+              'exit "$status"']
+    return "\n".join(lines) + "\n"
+
+
 def selftest_steps(profile):
     """A site whose training jobs run a few steps (--max-steps in train_args: the test cluster)
     self-tests with as few; others with the self-test's default."""
@@ -657,6 +713,7 @@ def expected_files(site, root=KIT_ROOT):
         topology = Topology(nodes, profile["gpus_per_node"])
         files[f"batchfiles/{site}/batch-selftest-{topology.name}.sh"] = \
             selftest_job(profile, topology)
+        files[f"batchfiles/{site}/batch-ray-{topology.name}.sh"] = ray_job(profile, topology)
     return files
 
 

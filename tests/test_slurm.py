@@ -8,6 +8,7 @@ a copy of that site's partition (its name and time limit; nodes of its cores, GP
 which refuses what the site would refuse for those reasons. Accounts and QoS are not checked: the
 test cluster keeps no accounting (slurmdbd and a database), and the profiles' accounts are
 placeholders an instructor fills in."""
+import glob
 import json
 import os
 import re
@@ -29,7 +30,7 @@ CI = slurm.load_site("ci")
 CI_FILES = sorted(p.name for p in (KIT_ROOT / "batchfiles" / "ci").glob("*.sh"))
 TRAINING_FILES = [name for name in CI_FILES
                   if name not in ("batch-data.sh", "batch-images.sh", "batch-mlflow-ui.sh")
-                  and not name.startswith(("batch-lora", "batch-hpo", "batch-selftest"))]
+                  and not name.startswith(("batch-lora", "batch-hpo", "batch-selftest", "batch-ray"))]
 LORA_FILES = [name for name in CI_FILES if name.startswith("batch-lora")]
 # Slurm runs every launch once, not every file, each on as few processes as show it: std on 1;
 # ddp on 1 node x 2 (the reference, and the requeue tests' file) and, started by srun, on 2 x 1;
@@ -54,6 +55,8 @@ SRUN_LAUNCHED = "batch-ddp-2n1g-srun.sh"
 SELFTEST_ACROSS_NODES = "batch-selftest-2n1g.sh"
 # The images job, writing into the test's folder rather than over data/shapes
 IMAGES_AGAIN = "batch-images-again.sh"
+# A Ray cluster across 2 nodes, 1 process each (the committed 2n2g file with smaller numbers)
+RAY_ACROSS_NODES = "batch-ray-2n1g.sh"
 STEPS = int(re.search(r"--max-steps (\d+)", CI["train_args"]).group(1))
 SITES = [site for site in slurm.site_names() if site != "ci"]
 # Job states Slurm keeps for MinJobAge (300 s) once a job has ended: a poll cannot miss them
@@ -125,7 +128,7 @@ def study_dir(name):
 
 
 def batch_file(cluster, name):
-    if name in (SRUN_LAUNCHED, SELFTEST_ACROSS_NODES, IMAGES_AGAIN):
+    if name in (SRUN_LAUNCHED, SELFTEST_ACROSS_NODES, IMAGES_AGAIN, RAY_ACROSS_NODES):
         return cluster["logs"] / name
     return KIT_ROOT / "batchfiles" / "ci" / name
 
@@ -136,10 +139,11 @@ def write_srun_launched(cluster):
         slurm.training_job("ddp", slurm.Topology(2, 1), profile))
 
 
-def submit(cluster, name, *options, log="{name}.%j.out"):
-    """sbatch a batch file from the kit's root, its log in the test's folder; the job id."""
+def submit(cluster, name, *options, log="{name}.%j.out", args=()):
+    """sbatch a batch file from the kit's root, its log in the test's folder, with ``args`` for
+    the batch file; the job id."""
     command = ["sbatch", "--parsable", f"--output={cluster['logs']}/{log.format(name=name)}",
-               *options, str(batch_file(cluster, name))]
+               *options, str(batch_file(cluster, name)), *args]
     return subprocess.run(command, cwd=KIT_ROOT, env=slurm_env(cluster), capture_output=True,
                           text=True, check=True).stdout.split(";")[0].strip()
 
@@ -392,6 +396,60 @@ def test_the_selftest_job_trains_every_stage_across_both_nodes(cluster, builtin_
         assert "NodeList=node[1-2]" in record
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def gcs_answers(address, token=None):
+    """Whether the Ray cluster's control plane (its GCS) answers a request for its nodes, sent
+    with ``token`` or none: the number of nodes, or the refusal's gRPC status."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        try:
+            reply = stub.GetAllNodeInfo(gcs_service_pb2.GetAllNodeInfoRequest(), timeout=10,
+                                        metadata=[("authorization", f"Bearer {token}")] if token
+                                        else None)
+        except grpc.RpcError as refusal:
+            return refusal.code().name
+        return len(reply.node_info_list)
+
+
+def test_a_ray_cluster_spans_both_nodes_for_its_owner_alone_and_stops_on_sigusr1(cluster):
+    """The Ray job on 2 nodes with a driver that holds the cluster: a task ran on each node; the
+    control plane and the dashboard refuse a request without the job's token, or with another;
+    SIGUSR1 (the time limit's warning) stops the driver, then every node, and the job ends well,
+    its nodes' private directories gone."""
+    name = RAY_ACROSS_NODES
+    batch_file(cluster, name).write_text(slurm.ray_job(CI, slurm.Topology(2, 1)))
+    run = KIT_ROOT / "runs" / "ci-ray-2n1g"
+    shutil.rmtree(run, ignore_errors=True)
+    before = set(glob.glob("/tmp/ray-*"))
+    job_id = submit(cluster, name, args=["tests/helpers/ray_driver.py"])
+    log = cluster["logs"] / f"{name}.{job_id}.out"
+    try:
+        wait_until(lambda: log.exists() and "driver ready" in log.read_text(), 300,
+                   "the driver did not join the cluster")
+        text = log.read_text()
+        assert "a task ran on each: node1, node2" in text and "driver ready: 2 nodes" in text
+        head = re.search(r"ray cluster at (\S+):(\d+):", text)
+        node_address = re.search(r"NodeAddr=(\S+)", scontrol(cluster, "show", "node", head[1]))[1]
+        gcs = f"{node_address}:{head[2]}"
+        token = (run / "ray-token").read_text().strip()
+        assert oct((run / "ray-token").stat().st_mode & 0o777) == "0o600"
+        assert gcs_answers(gcs) == gcs_answers(gcs, "not-the-token") == "UNAUTHENTICATED"
+        assert gcs_answers(gcs, token) == 2
+        port = re.search(r"dashboard: 127\.0\.0\.1:(\d+) ", text)[1]
+        version = f"http://127.0.0.1:{port}/api/version"
+        assert http_get(version)[0] == 401
+        assert http_get(version, headers={"Authorization": f"Bearer {token}"})[0] == 200
+    finally:
+        subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=slurm_env(cluster))
+    status, record = wait_for_job(cluster, job_id, timeout=120)
+    assert status == 0 and "JobState=COMPLETED" in record, log.read_text()[-3000:]
+    assert "SIGUSR1 received: the driver stops" in log.read_text()
+    assert set(glob.glob("/tmp/ray-*")) == before  # each node's directory removed with it
+    shutil.rmtree(run, ignore_errors=True)
 
 
 def answers(url):

@@ -1,0 +1,133 @@
+"""A Ray cluster inside a Slurm job, that only the job's owner can use (lesson 09's batch files).
+
+Ray runs whatever code a client sends it, and its authentication is off unless RAY_AUTH_MODE=token.
+A job's batch file writes a token into a file only its owner can read (RAY_AUTH_TOKEN_PATH) and
+exports both variables, so every Ray process of the job, on every node, demands the token, and
+then starts one node per allocated host, each a step of the job:
+
+    python -m coursekit ray-node --head --port P      # on the first host
+    python -m coursekit ray-node --address HOST:P     # on each of the others
+    python -m coursekit ray-nodes --address HOST:P --expect N   # wait for them; a task on each
+
+Each node keeps its sockets, logs and spilled objects in a directory of its own that no other
+user can enter (Ray's default, /tmp/ray, is shared by everyone on the host), removed when the node
+stops. The dashboard listens on the head's 127.0.0.1 only, behind the same token: reach it through
+an SSH tunnel.
+"""
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from coursekit import KitError, launch
+
+
+def check_token():
+    """The job's token settings, or a KitError saying what is missing or unsafe."""
+    if os.environ.get("RAY_AUTH_MODE") != "token":
+        raise KitError("RAY_AUTH_MODE is not 'token': a Ray cluster without it runs code from "
+                       "anyone who reaches its ports; export RAY_AUTH_MODE=token")
+    value = os.environ.get("RAY_AUTH_TOKEN_PATH", "")
+    path = Path(value)
+    if not value or not path.is_file():
+        raise KitError(f"RAY_AUTH_TOKEN_PATH {value!r} is not a file: point it at the job's "
+                       "token, written with umask 077")
+    if stat.S_IMODE(path.stat().st_mode) & 0o077:
+        raise KitError(f"{path} can be read by others (mode {stat.S_IMODE(path.stat().st_mode):o}):"
+                       " chmod 600 it, or write it with umask 077")
+
+
+def node_address():
+    """This host's address as the other hosts reach it: what its name resolves to."""
+    return socket.gethostbyname(socket.gethostname())
+
+
+def start_command(temp_dir, head, port=None, address=None, cpus=None, gpus=None,
+                  dashboard_port=None):
+    """`ray start` for one node, in the foreground (--block) so that the job step lasts as long as
+    the node does."""
+    command = [shutil.which("ray") or "ray", "start", "--block", "--temp-dir", str(temp_dir),
+               "--node-ip-address", node_address(), "--disable-usage-stats"]
+    if head:  # its other listening ports free now too: another user's head may share the host
+        command += ["--head", "--port", str(port), "--dashboard-host", "127.0.0.1",
+                    "--dashboard-port", str(dashboard_port),
+                    "--ray-client-server-port", str(launch.free_port())]
+    else:
+        command += ["--address", address]
+    if cpus is not None:
+        command += ["--num-cpus", str(cpus)]
+    if gpus is not None:
+        command += ["--num-gpus", str(gpus)]
+    return command
+
+
+def run_node(head, port=None, address=None, cpus=None, gpus=None):
+    """Run one Ray node until it is told to stop (SIGTERM, as `scancel --signal=TERM` sends the
+    job's steps); its private directory goes with it. Returns 0 once stopped, else ray start's
+    exit status."""
+    check_token()
+    dashboard_port = launch.free_port() if head else None
+    if head:
+        host = socket.gethostname()
+        print(f"dashboard: 127.0.0.1:{dashboard_port} on {host}, behind the job's token (in "
+              f"$RAY_AUTH_TOKEN_PATH): ssh -L {dashboard_port}:127.0.0.1:{dashboard_port} {host}, "
+              f"through the login node, then open http://127.0.0.1:{dashboard_port}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="ray-") as temp_dir:  # mode 0700
+        # no draining on SIGTERM: it readies Ray Serve's replicas to move, and waits for the head,
+        # which is stopping too
+        node = subprocess.Popen(start_command(temp_dir, head, port, address, cpus, gpus,
+                                              dashboard_port),
+                                env={**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
+        stopped = []
+
+        def stop(signum, frame):  # the whole step gets it, as a rule: make sure ray start does
+            stopped.append(signum)
+            node.send_signal(signal.SIGTERM)
+
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, stop)
+        status = node.wait()
+    return 0 if stopped else status  # ray start exits 1 when it is stopped, as asked
+
+
+def connect(address=None):
+    """ray.init() for a driver: the job's cluster (RAY_ADDRESS, or ``address``), reached from this
+    host's address (the one the head node was started with), or a local Ray where there is none."""
+    import ray
+
+    address = address or os.environ.get("RAY_ADDRESS")
+    if address is None:
+        return ray.init(logging_level="warning")
+    check_token()
+    return ray.init(address=address, _node_ip_address=node_address(), logging_level="warning")
+
+
+def wait_for_nodes(address, expected, timeout=300):
+    """Connect to the cluster and wait until ``expected`` nodes are alive; then run one task on
+    each node. Returns {node address: the host name its task reported}."""
+    import ray
+
+    connect(address)
+    deadline = time.monotonic() + timeout
+    while len(alive := [n for n in ray.nodes() if n["Alive"]]) < expected:
+        if time.monotonic() > deadline:
+            raise KitError(f"only {len(alive)} of {expected} Ray nodes joined within {timeout} s: "
+                           "see the job's log for the others' errors")
+        time.sleep(1)
+    on_node = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    def host():
+        return socket.gethostname()
+
+    tasks = {n["NodeManagerAddress"]:
+             host.options(scheduling_strategy=on_node(n["NodeID"], soft=False)).remote()
+             for n in alive}
+    hosts = dict(zip(tasks, ray.get(list(tasks.values()))))
+    ray.shutdown()
+    return hosts

@@ -1,0 +1,51 @@
+"""A job's Ray node refuses to start without the job's private token, and starts with its
+dashboard on 127.0.0.1 and its files in a directory of its own (the cluster itself, on the Slurm
+test cluster: tests/test_slurm.py)."""
+import subprocess
+import sys
+
+import pytest
+
+from coursekit import raycluster
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def token(tmp_path, monkeypatch):
+    path = tmp_path / "ray-token"
+    path.write_text("0123abcd\n")
+    path.chmod(0o600)
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(path))
+    return path
+
+
+def test_a_private_token_file_is_accepted(token):
+    raycluster.check_token()
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda token, env: env.delenv("RAY_AUTH_MODE"), "RAY_AUTH_MODE is not 'token'"),
+    (lambda token, env: env.setenv("RAY_AUTH_MODE", "disabled"), "RAY_AUTH_MODE is not 'token'"),
+    (lambda token, env: env.delenv("RAY_AUTH_TOKEN_PATH"), "RAY_AUTH_TOKEN_PATH '' is not a file"),
+    (lambda token, env: token.unlink(), "is not a file"),
+    (lambda token, env: token.chmod(0o644), "can be read by others (mode 644)"),
+])
+def test_a_node_without_a_private_token_is_refused_in_one_line(token, monkeypatch, change, message):
+    change(token, monkeypatch)
+    result = subprocess.run([sys.executable, "-m", "coursekit", "ray-node", "--head", "--port",
+                             "6379"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2 and message in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_the_head_listens_for_its_dashboard_on_loopback_and_keeps_its_files_apart(tmp_path):
+    command = raycluster.start_command(tmp_path / "own", head=True, port=6379, cpus=2,
+                                       dashboard_port=8765)
+    options = dict(zip(command, command[1:]))
+    assert options["--dashboard-host"] == "127.0.0.1" and options["--dashboard-port"] == "8765"
+    assert options["--temp-dir"] == str(tmp_path / "own") and "--block" in command
+    assert options["--node-ip-address"] == raycluster.node_address()
+    worker = raycluster.start_command(tmp_path / "w", head=False, address="node1:6379", gpus=4)
+    assert dict(zip(worker, worker[1:]))["--address"] == "node1:6379" and "--head" not in worker
