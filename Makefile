@@ -48,11 +48,12 @@ MAKEFLAGS += --jobs=2
 setup: $(INSTALLED) $(TOKENIZER)
 
 # Two steps, so that the base model (below) trains on one core while pip, which uses one, installs
-# the rest: first what the corpus and the std stage import, at the versions requirements.txt pins.
+# the rest: first what the corpus and the std stage import, at the versions requirements.txt pins
+# (as constraints, which cannot name extras such as ray[default]: the same pins without them).
 $(CORE): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet $(PIP)
-	$(BIN)/python -m pip install --quiet -c requirements.txt $(CORE_PACKAGES)
+	$(BIN)/python -m pip install --quiet -c <(sed -E 's/\[[^]]*\]//' requirements.txt) $(CORE_PACKAGES)
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@
 

