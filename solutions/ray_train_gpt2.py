@@ -14,6 +14,7 @@ the driver (the batch file passes the time limit's warning on) leaves a STOP fil
 worker checkpoints and stops at the next step.
 """
 import argparse
+import os
 import signal
 import sys
 import time
@@ -128,6 +129,9 @@ def main(argv=None):
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    # a worker's print reaches this output once, as Ray forwards every worker's output; Train's
+    # own patch of print would log each line a second time
+    os.environ.setdefault("RAY_TRAIN_ENABLE_PRINT_PATCH", "0")
     raycluster.connect()
     gpus = args.device in ("auto", "cuda") and ray.cluster_resources().get("GPU", 0) > 0
     trainer = TorchTrainer(train_loop, train_loop_config=vars(args),

@@ -15,6 +15,7 @@ def test_two_ray_train_workers_follow_std_at_the_same_global_batch(builtin_data,
                        builtin_data, "--out", tmp_path, env=kit_env(ONE_THREAD))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "ray train: 2 workers, step 20, loss " in result.stdout
+    assert result.stdout.count("step 20/20 ") == 1  # rank 0's line, forwarded once
     config = runs.read_json(tmp_path / "config.json")
     assert (config["stage"], config["world_size"], config["grad_accum"]) == ("ray", 2, 1)
     got, expected = runs.read_metrics(tmp_path), runs.read_metrics(std_twenty_steps)
