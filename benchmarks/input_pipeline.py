@@ -27,6 +27,7 @@ STAGE = stages.load_script(KIT_ROOT / "solutions" / "train_resnet_ddp.py")
 LAYOUTS = ("files", "shards")
 WORKERS = (0, 1, 2)
 MODES = ("decode", "decode + augment (CPU)", "decode + augment (device)", "full step")
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def batches(layout, workers, mode, batch_size, out):
@@ -35,28 +36,26 @@ def batches(layout, workers, mode, batch_size, out):
     args = STAGE.parse_args(["--data", str(DATA), "--layout", layout, "--workers", str(workers),
                              "--batch-size", str(batch_size), "--augment", augment,
                              "--out", str(out)])
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return STAGE.make_batches(args, 0, 1, device)
+    return STAGE.make_batches(args, 0, 1, DEVICE)
 
 
 def step_work(mode, width):
     """What the training loop does with each batch in this mode: nothing, the copy and the
     device's augmentation, or those and the step."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if mode in MODES[:2]:
         return None
-    augment = STAGE.augmentation().to(device)
+    augment = STAGE.augmentation().to(DEVICE)
     if mode == "decode + augment (device)":
-        return lambda pixels, labels: STAGE.to_inputs(pixels, device, augment)
+        return lambda pixels, labels: STAGE.to_inputs(pixels, DEVICE, augment)
     meta = images.read_meta(DATA)
     model = STAGE.make_model("kit", len(meta["classes"]), width, meta["size"])
-    model = model.to(device, memory_format=torch.channels_last)
+    model = model.to(DEVICE, memory_format=torch.channels_last)
     optimizer = STAGE.configure_optimizer(model, 0.1, 5e-4)
-    precision = training.prepare_device(device)
+    precision = training.prepare_device(DEVICE)
 
     def step(pixels, labels):
-        STAGE.train_step(model, optimizer, precision, STAGE.to_inputs(pixels, device, augment),
-                         labels.to(device))
+        STAGE.train_step(model, optimizer, precision, STAGE.to_inputs(pixels, DEVICE, augment),
+                         labels.to(DEVICE))
     return step
 
 
