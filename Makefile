@@ -28,6 +28,7 @@ INSTRUCT_DATA := data/instruct/meta.json
 SHAPES_DATA := data/shapes/meta.json
 BASE_RUN := runs/base-tiny/.complete
 BASE_MODEL := models/kit-tiny/config.json
+EMBED_MODEL := models/kit-embed/modules.json
 # The book's widgets run on the ipywidgets HTML manager and RequireJS, and its formulas on MathJax,
 # all served from the site itself (not a CDN) so that the book works offline; npm fetches them.
 BOOK_JS_DIR := book/static
@@ -114,10 +115,17 @@ $(DEEPSPEED_OP): $(INSTALLED)
 $(BASE_MODEL): $(BASE_RUN) $(INSTALLED)
 	$(BIN)/python -m coursekit export-hf runs/base-tiny models/kit-tiny --force --untie
 
+# Lesson 09's dense retriever: a static embedding started from the base model's token embeddings
+# and trained on the course's documents (those of lesson 09's question set held out): again when
+# they change.
+$(EMBED_MODEL): $(BASE_MODEL) coursekit/rag.py $(wildcard book/*.md notebooks/*/[0-9]*.py)
+	$(BIN)/python -m coursekit rag embedder --base models/kit-tiny --out models/kit-embed
+
 # Execute every lesson (cached in _build/.jupyter_cache: unchanged lessons are not re-run) and
 # build the HTML book with warnings as errors. The reader's edition (published) shows exercises as
 # students get them; the instructor's edition shows solutions and hidden tests (coursekit/book.py).
-BOOK_INPUTS := setup $(BOOK_JS) $(BUILTIN_DATA) $(INSTRUCT_DATA) $(SHAPES_DATA) $(BASE_MODEL)
+BOOK_INPUTS := setup $(BOOK_JS) $(BUILTIN_DATA) $(INSTRUCT_DATA) $(SHAPES_DATA) $(BASE_MODEL) \
+  $(EMBED_MODEL)
 book: $(BOOK_INPUTS)
 	$(BIN)/python -m coursekit envcheck
 	$(BIN)/python -m coursekit book --edition reader
@@ -128,7 +136,7 @@ book-instructor: $(BOOK_INPUTS)
 # Two pytest-xdist workers of one thread each keep both cores busy (tests/conftest.py: the longest
 # files first, the Slurm tests on one worker; the book is built from nbval's executions of the
 # lessons, so that each lesson executes once for both).
-test: setup $(BOOK_JS) $(INSTRUCT_DATA) $(SHAPES_DATA) $(BASE_MODEL) $(DEEPSPEED_OP)
+test: setup $(BOOK_JS) $(INSTRUCT_DATA) $(SHAPES_DATA) $(BASE_MODEL) $(EMBED_MODEL) $(DEEPSPEED_OP)
 	$(BIN)/python -m pytest -n 2
 
 test-fast: setup

@@ -160,6 +160,13 @@ def build_parser():
     instruct.add_argument("action", choices=["prepare"])
     instruct.add_argument("--out", required=True, help="directory for train.jsonl and val.jsonl")
 
+    rag = commands.add_parser("rag", help="lesson 09's retrieval: the kit's own embedder")
+    rag.add_argument("action", choices=["embedder"])
+    rag.add_argument("--base", default="models/kit-tiny",
+                     help="the exported GPT whose token embeddings it starts from")
+    rag.add_argument("--out", required=True, help="directory for the sentence-transformers model")
+    rag.add_argument("--epochs", type=positive_int, default=10, help="passes over the pairs")
+
     verify = commands.add_parser("verify-data", help="check data against a run's manifest")
     verify.add_argument("run_dir", metavar="RUN_DIR")
     verify.add_argument("--data", help="the data directory (default: the one the run used)")
@@ -380,6 +387,18 @@ def run_instruct(args):
           f"{counts}")
 
 
+def run_rag(args):
+    from coursekit import rag
+    corpus = rag.documents()
+    held_out = {q.document for q in rag.questions(corpus)}
+    if not (Path(args.base) / "model.safetensors").is_file():
+        raise KitError(f"--base {args.base}: no model.safetensors there; make it with "
+                       "`python -m coursekit export-hf runs/base-tiny models/kit-tiny --untie`")
+    rag.train_embedder(args.base, args.out, corpus, held_out, epochs=args.epochs)
+    print(f"trained the kit's embedder on {len(corpus) - len(held_out)} documents (the question "
+          f"set's {len(held_out)} held out): {args.out}")
+
+
 def run_verify_data(args):
     from coursekit import runs
     manifest, problems = runs.verify_data(args.run_dir, args.data)
@@ -413,7 +432,7 @@ COMMANDS = {"envcheck": run_envcheck, "tokenizer": run_tokenizer, "data": run_da
             "verify-data": run_verify_data, "registry": run_registry, "free-port": run_free_port,
             "mlflow-server": run_mlflow_server, "trainee-kit": run_trainee_kit,
             "selftest": run_selftest, "images": run_images, "ray-node": run_ray_node,
-            "ray-nodes": run_ray_nodes}
+            "ray-nodes": run_ray_nodes, "rag": run_rag}
 
 
 def main(argv=None):

@@ -113,6 +113,15 @@ def prepare(out_dir, sizes=SPLIT_SIZES, seed=SEED):
     return meta
 
 
+def format_prompt(example):
+    """The Alpaca template: what the model reads before it writes the answer (the lora stage
+    trains on it; lesson 09 asks the fine-tuned model its questions in it)."""
+    text = f"### Instruction:\n{example['instruction']}\n\n"
+    if example.get("input"):
+        text += f"### Input:\n{example['input']}\n\n"
+    return text + "### Response:\n"
+
+
 def write_text_atomic(path, text):
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)

@@ -32,6 +32,7 @@ from accelerate.utils import (DataLoaderConfiguration, DistributedType,
                               GradientAccumulationPlugin, InitProcessGroupKwargs, set_seed)
 
 from coursekit import KitError, faults, hub, instruct, perf, runs, tracking, training
+from coursekit.instruct import format_prompt  # the template the tasks are read in
 from coursekit.cli import ArgumentParser, positive_float, positive_int
 
 STAGE = "lora"
@@ -89,14 +90,6 @@ PRESETS = {
 # ----------------------------------------------------------------------------------------------
 # Data: the prompt template, prompt tokens masked out of the loss
 # ----------------------------------------------------------------------------------------------
-def format_prompt(example):
-    """The Alpaca template: what the model reads before it writes the answer."""
-    text = f"### Instruction:\n{example['instruction']}\n\n"
-    if example.get("input"):
-        text += f"### Input:\n{example['input']}\n\n"
-    return text + "### Response:\n"
-
-
 def tokenize_example(tokenizer, example, max_len):
     """Token ids of prompt + answer + end-of-text, and labels that are -100 (ignored by the loss)
     on the prompt: the model is taught to answer, not to repeat instructions."""

@@ -463,3 +463,12 @@ def http_get(url, login=None, headers=None):
             return reply.status, reply.read()
     except urllib.error.HTTPError as refused:
         return refused.code, b""
+
+
+@pytest.fixture(scope="session")
+def kit_embedder(base_run):
+    """Lesson 09's dense embedder, as `make` trains it (the Makefile's EMBED_MODEL), here too if it
+    is missing or older than the documents; its directory. Tests only read it."""
+    subprocess.run(["make", "models/kit-embed/modules.json"], cwd=KIT_ROOT, check=True,
+                   capture_output=True, timeout=900)
+    return KIT_ROOT / "models" / "kit-embed"
