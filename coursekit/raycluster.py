@@ -101,8 +101,9 @@ def connect(address=None):
     import ray
 
     address = address or os.environ.get("RAY_ADDRESS")
-    if address is None:
-        return ray.init(logging_level="warning")
+    if address is None:  # its sockets and logs in a folder of this user's own, not /tmp/ray,
+        # which the first user of a shared node to start Ray owns
+        return ray.init(logging_level="warning", _temp_dir=tempfile.mkdtemp(prefix="ray-"))
     check_token()
     return ray.init(address=address, _node_ip_address=node_address(), logging_level="warning")
 

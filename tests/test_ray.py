@@ -1,0 +1,77 @@
+"""Ray on a local cluster. Ray Train runs the ddp stage's training (solutions/ray_train_gpt2.py): 2
+workers take the same steps as the std stage at the same global batch, within the tolerance the ddp
+stage is held to, and leave the stages' run directory. Ray Tune searches lesson 07's space
+(solutions/ray_tune_gpt2.py): ASHA stops the worse trials at its rungs; under PBT a trial goes on
+from another's checkpoint with a perturbed learning rate."""
+import re
+
+import pytest
+
+from conftest import ONE_THREAD, TWENTY_STEPS, kit_env, run_stage
+from coursekit import presets, runs
+from solutions import hpo_optuna
+
+pytestmark = pytest.mark.stages
+
+
+def test_two_ray_train_workers_follow_std_at_the_same_global_batch(builtin_data, tmp_path,
+                                                                    std_twenty_steps):
+    result = run_stage("ray_train_gpt2.py", *TWENTY_STEPS, "--workers", "2", "--data",
+                       builtin_data, "--out", tmp_path, env=kit_env(ONE_THREAD))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "ray train: 2 workers, step 20, loss " in result.stdout
+    assert result.stdout.count("step 20/20 ") == 1  # rank 0's line, forwarded once
+    config = runs.read_json(tmp_path / "config.json")
+    assert (config["stage"], config["world_size"], config["grad_accum"]) == ("ray", 2, 1)
+    got, expected = runs.read_metrics(tmp_path), runs.read_metrics(std_twenty_steps)
+    assert [r["step"] for r in got] == list(range(1, 21))
+    for ray_step, std_step in zip(got, expected, strict=True):
+        assert ray_step["loss"] == pytest.approx(std_step["loss"], abs=1e-4)
+        assert ray_step.get("val_loss", 0) == pytest.approx(std_step.get("val_loss", 0), abs=1e-4)
+    assert runs.load_checkpoint(tmp_path)[0] == 20
+
+
+TUNE_STEPS, TUNE_RUNG = 6, 2
+TINY = presets.get_preset("tiny")
+BATCH_UNIT = TINY.micro_batch * TINY.seq_len  # one process's microbatch, as hpo_optuna has it
+
+
+def within(distribution, value):
+    """Whether lesson 07's Optuna distribution could have proposed ``value``."""
+    if hasattr(distribution, "choices"):
+        return value in distribution.choices
+    return distribution.low <= value <= distribution.high
+
+
+def tune(scheduler, trials, builtin_data, study_dir):
+    result = run_stage("ray_tune_gpt2.py", "--scheduler", scheduler, "--trials", trials,
+                       "--workers", 2, "--max-steps", TUNE_STEPS, "--eval-interval", TUNE_RUNG,
+                       "--data", builtin_data, "--study-dir", study_dir, env=kit_env(ONE_THREAD))
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr, runs.read_json(study_dir / "best.json")
+
+
+def trial_logs(study_dir):
+    return sorted(study_dir.glob("ray/*/run/train.log"))
+
+
+def test_asha_stops_the_worse_trials_of_lesson_07s_space_at_its_rungs(builtin_data, tmp_path):
+    output, best = tune("asha", 4, builtin_data, tmp_path)
+    assert best["trials"] == 4 and len(trial_logs(tmp_path)) == 4
+    # a trial stopped at a rung trained fewer steps than the budget: the study spent less
+    assert TUNE_STEPS * 2 <= best["steps_trained"] < TUNE_STEPS * 4, output[-3000:]
+    space = hpo_optuna.search_space(TINY, TUNE_STEPS, BATCH_UNIT)
+    assert best["best"]["params"].keys() == space.keys()
+    assert all(within(space[name], value) for name, value in best["best"]["params"].items())
+    assert f"ray tune (asha): 4 trials, {best['steps_trained']} steps trained; best val " in output
+
+
+def test_pbt_trials_go_on_from_a_better_ones_checkpoint(builtin_data, tmp_path):
+    output, best = tune("pbt", 2, builtin_data, tmp_path)
+    assert best["trials"] == 2 and best["best"]["step"] == TUNE_STEPS
+    logs = [log.read_text() for log in trial_logs(tmp_path)]
+    # the worse trial stopped at a perturbation and resumed from the better one's checkpoint
+    assert any(re.search(r"resumed from .*/ckpt/step_0+[24]\b", log) for log in logs), logs
+    assert re.search(r"Restored on .* from checkpoint: .*trial_\w+_0000[01]_", output)
+    defaults = hpo_optuna.default_hyperparameters(TINY, TUNE_STEPS, BATCH_UNIT)
+    assert {**best["best"]["params"], "lr": None} == {**defaults, "lr": None}  # lr alone varies
