@@ -344,19 +344,34 @@ def recall_at(ranks, k):
 EMBEDDER_CHUNK_TOKENS = 64
 
 
-def training_pairs(corpus, held_out, chunk_tokens=EMBEDDER_CHUNK_TOKENS):
-    """(anchor, positive) texts from the documents outside ``held_out``: each document's question
-    with the chunk that answers it, and each chunk's title with the chunk (a page's heading finds
-    its text). The question set's documents are held out, so that its scores measure documents the
-    embedder never saw."""
+def answered_questions(corpus, held_out, chunk_tokens=EMBEDDER_CHUNK_TOKENS):
+    """(question, the chunk that answers it) for each document outside ``held_out`` that makes a
+    question, and the chunks of those documents."""
     chunks = [c for c in chunk(corpus, chunk_tokens) if c.document not in held_out]
     pairs = []
     for document in corpus:
         question = None if document.id in held_out else question_for(document)
         if question:
-            answering = next(c for c in chunks if is_relevant(c, question))
-            pairs.append((question.text, answering.text))
-    return pairs + [(c.title, c.text) for c in chunks]
+            pairs.append((question, next(c for c in chunks if is_relevant(c, question))))
+    return pairs, chunks
+
+
+def training_pairs(corpus, held_out, chunk_tokens=EMBEDDER_CHUNK_TOKENS):
+    """(anchor, positive) texts from the documents outside ``held_out``: each document's question
+    with the chunk that answers it, and each chunk's title with the chunk (a page's heading finds
+    its text). The question set's documents are held out, so that its scores measure documents the
+    embedder never saw."""
+    answered, chunks = answered_questions(corpus, held_out, chunk_tokens)
+    return [(q.text, c.text) for q, c in answered] + [(c.title, c.text) for c in chunks]
+
+
+def reading_examples(corpus, held_out, chunk_tokens=EMBEDDER_CHUNK_TOKENS):
+    """Instruction-tuning records (the Alpaca schema of coursekit.instruct) that teach a model to
+    answer from a passage: a question of a document outside ``held_out``, the chunk that answers
+    it as the input, and its answer as the output."""
+    answered, _ = answered_questions(corpus, held_out, chunk_tokens)
+    return [{"instruction": q.text, "input": c.text, "output": q.answer,
+             "task": q.document.split("/")[0]} for q, c in answered]
 
 
 def train_embedder(base_model, out, corpus, held_out, epochs=10, seed=SEED):
@@ -419,15 +434,27 @@ def answer_log_likelihood(model, tokenizer, prompt, answer):
     return chosen.mean().item()
 
 
-def generate(model, tokenizer, prompt, max_new_tokens):
-    """The model's greedy answer to the prompt."""
+def generate(model, tokenizer, prompts, max_new_tokens, batch_size=16):
+    """The model's greedy answer to each prompt, a batch at a time (padded on the left, so that
+    every prompt ends where its answer begins)."""
     import torch
 
-    ids = tokenizer(prompt, return_tensors="pt")
-    with torch.no_grad():
-        out = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tokenizer.eos_token_id)
-    return tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True).strip()
+    answers = []
+    for first in range(0, len(prompts), batch_size):
+        batch = tokenizer(prompts[first:first + batch_size], return_tensors="pt", padding=True,
+                          padding_side="left")
+        with torch.no_grad():
+            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.eos_token_id)
+        answers += [a.strip() for a in tokenizer.batch_decode(
+            out[:, batch["input_ids"].shape[1]:], skip_special_tokens=True)]
+    return answers
+
+
+def extracted_answer(passage):
+    """What a reader that copies perfectly would answer from a retrieved chunk: the first
+    sentence of its body (below the title line). A bound on what a model can take from it."""
+    return first_sentence(passage.split("\n", 1)[-1])
 
 
 def words(text):

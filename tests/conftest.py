@@ -22,8 +22,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-# `make test` runs two pytest-xdist workers on a 2-core machine. PyTorch starts one thread per core
-# in every process, so two workers' lessons and runs would keep four or more busy threads on two
+# `make test` runs three pytest-xdist workers on a 2-core machine. PyTorch starts one thread per
+# core in every process, so the workers' lessons and runs would keep many more busy threads than
 # cores, which wait for each other: a pair of lessons took 136 s side by side that way and 106 s
 # with one thread each (and a third less CPU time). So each worker, and every kernel, stage run
 # and job it starts, uses one thread, as torchrun gives its processes; set before torch loads.
@@ -52,10 +52,10 @@ def builtin_data(tmp_path_factory):
 SCREENSHOT_DIR = KIT_ROOT / "_build" / "browser"
 SESSION_START = time.time()
 
-#: `make test` runs the suite on 2 pytest-xdist workers. The tests of these files stay on one
+#: `make test` runs the suite on 3 pytest-xdist workers. The tests of these files stay on one
 #: worker: the book is built from the lessons' nbval runs, and the browser tests share its two
 #: editions (built_book, instructor_book), so the book's tests follow nbval on its worker instead
-#: of waiting for it on the other; the Slurm test cluster is one per machine. Every other test
+#: of waiting for it on another; the Slurm test cluster is one per machine. Every other test
 #: file goes whole to whichever worker is free, so that its module fixtures (a training run) run
 #: once.
 WORKER_GROUPS = {"tests/test_notebooks.py": "book", "tests/test_book.py": "book",

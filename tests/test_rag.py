@@ -147,3 +147,24 @@ def test_ray_data_embeds_every_chunk_as_the_embedder_does_alone(kit_embedder, tm
     assert chunks == rag.chunk(rag.documents(), 256)
     alone = rag.embed(rag.embedder(kit_embedder), [c.text for c in chunks])
     assert vectors.shape == alone.shape and np.allclose(vectors, alone, atol=1e-5)
+
+
+@pytest.mark.slow  # the base model is trained first where `make` has not
+def test_answers_generated_in_padded_batches_are_those_of_one_prompt_at_a_time(base_run,
+                                                                               question_set,
+                                                                               chunks):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = KIT_ROOT / "models" / "kit-tiny"
+    model, tokenizer = AutoModelForCausalLM.from_pretrained(path).eval(), \
+        AutoTokenizer.from_pretrained(path)
+    prompts = [rag.prompt_for(q, [c.text for c in chunks[i:i + (i % 3)]], tokenizer, 100)
+               for i, q in enumerate(question_set[:5])]
+    assert len({len(tokenizer(p)["input_ids"]) for p in prompts}) > 1  # padding is needed
+    batched = rag.generate(model, tokenizer, prompts, 12, batch_size=5)
+    assert batched == [rag.generate(model, tokenizer, [p], 12)[0] for p in prompts]
+    assert len(batched) == 5 and all(isinstance(a, str) for a in batched)
+
+
+def test_the_extracted_answer_is_the_first_sentence_below_the_title():
+    assert rag.extracted_answer("json.dumps(obj)\nSerialize obj. More text.") == "Serialize obj."
