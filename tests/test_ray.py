@@ -1,34 +1,34 @@
 """Ray on a local cluster. Ray Train runs the ddp stage's training (solutions/ray_train_gpt2.py): 2
-workers take the same steps as the std stage at the same global batch, within the tolerance the ddp
-stage is held to, and leave the stages' run directory. Ray Tune searches lesson 07's space
+workers take the same steps as the ddp stage on 2 processes, within the tolerance the ddp stage is
+held to (to the std stage's), and leave the stages' run directory. Ray Tune searches lesson 07's space
 (solutions/ray_tune_gpt2.py): ASHA stops the worse trials at its rungs; under PBT a trial goes on
 from another's checkpoint with a perturbed learning rate."""
 import re
 
 import pytest
 
-from conftest import ONE_THREAD, TWENTY_STEPS, kit_env, run_stage
+from conftest import ONE_THREAD, TEN_STEPS, kit_env, run_stage
 from coursekit import presets, runs
 from solutions import hpo_optuna
 
 pytestmark = pytest.mark.stages
 
 
-def test_two_ray_train_workers_follow_std_at_the_same_global_batch(builtin_data, tmp_path,
-                                                                    std_twenty_steps):
-    result = run_stage("ray_train_gpt2.py", *TWENTY_STEPS, "--workers", "2", "--data",
+def test_two_ray_train_workers_train_as_the_ddp_stage_does_on_two_processes(builtin_data, tmp_path,
+                                                                          ddp_ten_steps):
+    result = run_stage("ray_train_gpt2.py", *TEN_STEPS, "--workers", "2", "--data",
                        builtin_data, "--out", tmp_path, env=kit_env(ONE_THREAD))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "ray train: 2 workers, step 20, loss " in result.stdout
-    assert result.stdout.count("step 20/20 ") == 1  # rank 0's line, forwarded once
+    assert "ray train: 2 workers, step 10, loss " in result.stdout
+    assert result.stdout.count("step 10/10 ") == 1  # rank 0's line, forwarded once
     config = runs.read_json(tmp_path / "config.json")
     assert (config["stage"], config["world_size"], config["grad_accum"]) == ("ray", 2, 1)
-    got, expected = runs.read_metrics(tmp_path), runs.read_metrics(std_twenty_steps)
-    assert [r["step"] for r in got] == list(range(1, 21))
-    for ray_step, std_step in zip(got, expected, strict=True):
-        assert ray_step["loss"] == pytest.approx(std_step["loss"], abs=1e-4)
-        assert ray_step.get("val_loss", 0) == pytest.approx(std_step.get("val_loss", 0), abs=1e-4)
-    assert runs.load_checkpoint(tmp_path)[0] == 20
+    got, expected = runs.read_metrics(tmp_path), runs.read_metrics(ddp_ten_steps)
+    assert [r["step"] for r in got] == list(range(1, 11))
+    for ray_step, ddp_step in zip(got, expected, strict=True):
+        assert ray_step["loss"] == pytest.approx(ddp_step["loss"], abs=1e-4)
+        assert ray_step.get("val_loss", 0) == pytest.approx(ddp_step.get("val_loss", 0), abs=1e-4)
+    assert runs.load_checkpoint(tmp_path)[0] == 10
 
 
 TUNE_STEPS, TUNE_RUNG = 6, 2
