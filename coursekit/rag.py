@@ -106,7 +106,8 @@ def sections(page_title, markdown, id_prefix):
         if re.match(r"#{1,4} ", part):
             heading = part.lstrip("#").strip()
         elif part.strip():
-            title = f"{page_title} › {heading}" if heading and heading != page_title else page_title
+            own_heading = heading and heading != page_title
+            title = f"{page_title} › {heading}" if own_heading else page_title
             found.append(Document(f"{id_prefix}#{len(found)}", title, part.strip()))
     return found
 
@@ -298,7 +299,8 @@ class Random:
 
 
 def save_embeddings(run_dir, chunks, vectors):
-    """chunks.jsonl and vectors.npy (row i: chunk i), each written to a temporary file and renamed."""
+    """chunks.jsonl and vectors.npy (row i: chunk i), each written to a temporary file, then
+    renamed."""
     lines = "".join(json.dumps(dataclasses.asdict(c)) + "\n" for c in chunks)
     files = {"chunks.jsonl": lambda f: f.write(lines.encode()),
              "vectors.npy": lambda f: np.save(f, vectors)}
@@ -417,7 +419,7 @@ def prompt_for(question, passages, tokenizer, budget):
 
     bare = format_prompt({"instruction": question.text, "input": "…"})
     room = budget - len(tokenizer(bare)["input_ids"])
-    context = tokenizer("\n\n".join(passages))["input_ids"][:max(room, 0)]
+    context = tokenizer("\n\n".join(passages), verbose=False)["input_ids"][:max(room, 0)]
     return format_prompt({"instruction": question.text, "input": tokenizer.decode(context)})
 
 

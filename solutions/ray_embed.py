@@ -44,8 +44,8 @@ def embed_with_ray_data(chunks, args):
     items = ray.data.from_items([{"index": i, "text": c.text} for i, c in enumerate(chunks)])
     embedded = items.map_batches(Embedder, fn_constructor_args=(args.embedder,
                                                                 "cuda" if gpus else "cpu"),
-                                 batch_size=args.batch_size, concurrency=args.workers,
-                                 num_gpus=1 if gpus else 0)
+                                 batch_size=args.batch_size, num_gpus=1 if gpus else 0,
+                                 compute=ray.data.ActorPoolStrategy(size=args.workers))
     vectors = None
     for batch in embedded.iter_batches(batch_size=args.batch_size, batch_format="numpy"):
         if vectors is None:  # the width is the embedder's

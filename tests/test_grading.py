@@ -82,6 +82,16 @@ SHORTCUTS = {
                 budgets = [max_resource / eta**s for s in range(pruner._n_brackets - 1, -1, -1)]
                 return list(zip(pruner._trial_allocation_budgets, budgets))""",
     },
+    "09-ray-rag": {
+        "mean_reciprocal_rank": """
+            def mean_reciprocal_rank(ranks):
+                return rag.mean_reciprocal_rank(list(ranks))""",
+        "token_f1": """
+            from coursekit.rag import token_f1 as kit_token_f1
+
+            def token_f1(prediction, reference):
+                return kit_token_f1(prediction, reference)""",
+    },
 }
 
 
