@@ -20,6 +20,7 @@ import signal
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -51,7 +52,9 @@ def start_command(temp_dir, head, port=None, address=None, cpus=None, gpus=None,
                   dashboard_port=None):
     """`ray start` for one node, in the foreground (--block) so that the job step lasts as long as
     the node does."""
-    command = [shutil.which("ray") or "ray", "start", "--block", "--temp-dir", str(temp_dir),
+    beside_python = Path(sys.executable).with_name("ray")  # the kit's, whether or not on PATH
+    ray = str(beside_python) if beside_python.exists() else shutil.which("ray") or "ray"
+    command = [ray, "start", "--block", "--temp-dir", str(temp_dir),
                "--node-ip-address", node_address(), "--disable-usage-stats"]
     if head:  # its other listening ports free now too: another user's head may share the host
         command += ["--head", "--port", str(port), "--dashboard-host", "127.0.0.1",

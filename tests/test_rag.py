@@ -1,12 +1,10 @@
 """Lesson 09's retrieval (coursekit/rag.py): the corpus and question set the kit makes from its own
 documents, token chunks, BM25 and the dense retriever on the kit's embedder, and their scores
-against a random baseline; the Ray Data script that embeds the chunks (solutions/ray_embed.py)."""
+against a random baseline (the Ray Data script that embeds the chunks: tests/test_ray.py)."""
 import re
 
-import numpy as np
 import pytest
 
-from conftest import ONE_THREAD, kit_env, run_stage
 from coursekit import KIT_ROOT, KitError, data, rag
 
 pytestmark = pytest.mark.unit
@@ -137,16 +135,7 @@ def test_a_prompt_fits_the_models_context(base_run, question_set, chunks):
 
 @pytest.mark.stages
 @pytest.mark.slow
-def test_ray_data_embeds_every_chunk_as_the_embedder_does_alone(kit_embedder, tmp_path):
-    result = run_stage("ray_embed.py", "--embedder", kit_embedder, "--chunk-tokens", 256,
-                       "--workers", 2, "--batch-size", 64, "--out", tmp_path,
-                       env=kit_env(ONE_THREAD))
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert re.search(r"ray data: \d+ chunks of 256 tokens embedded by 2 replicas", result.stdout)
-    chunks, vectors = rag.load_embeddings(tmp_path)
-    assert chunks == rag.chunk(rag.documents(), 256)
-    alone = rag.embed(rag.embedder(kit_embedder), [c.text for c in chunks])
-    assert vectors.shape == alone.shape and np.allclose(vectors, alone, atol=1e-5)
+
 
 
 @pytest.mark.slow  # the base model is trained first where `make` has not

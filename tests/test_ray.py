@@ -1,23 +1,65 @@
-"""Ray on a local cluster. Ray Train runs the ddp stage's training (solutions/ray_train_gpt2.py): 2
+"""Ray on a local cluster that the tests share (each script would otherwise start its own, 10 s or
+more). Ray Data embeds the chunks of lesson 09 (solutions/ray_embed.py) as the embedder does alone.
+Ray Train runs the ddp stage's training (solutions/ray_train_gpt2.py): 2
 workers take the same steps as the ddp stage on 2 processes, within the tolerance the ddp stage is
 held to (to the std stage's), and leave the stages' run directory. Ray Tune searches lesson 07's space
 (solutions/ray_tune_gpt2.py): ASHA stops the worse trials at its rungs; under PBT a trial goes on
 from another's checkpoint with a perturbed learning rate."""
+import os
 import re
+import secrets
+import signal
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 
-from conftest import ONE_THREAD, TEN_STEPS, kit_env, run_stage
-from coursekit import presets, runs
+from conftest import ONE_THREAD, TEN_STEPS, free_port, kit_env, run_stage
+from coursekit import KIT_ROOT, presets, rag, raycluster, runs
 from solutions import hpo_optuna
 
 pytestmark = pytest.mark.stages
 
 
+@pytest.fixture(scope="module")
+def ray_env(tmp_path_factory):
+    """The environment of a driver of one local Ray head, started as a job's batch file starts
+    it (behind a token in a file of mode 0600), with the module's tests as its drivers."""
+    token = tmp_path_factory.mktemp("ray") / "token"
+    token.touch(mode=0o600)
+    token.write_text(secrets.token_hex(32))
+    port = free_port()
+    env = kit_env({**ONE_THREAD, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
+                   "RAY_ADDRESS": f"{raycluster.node_address()}:{port}"})
+    head = subprocess.Popen([sys.executable, "-m", "coursekit", "ray-node", "--head", "--port",
+                             str(port), "--cpus", str(os.cpu_count())], cwd=KIT_ROOT, env=env)
+    try:
+        joined = subprocess.run([sys.executable, "-m", "coursekit", "ray-nodes", "--address",
+                                 env["RAY_ADDRESS"], "--expect", "1"], cwd=KIT_ROOT, env=env,
+                                timeout=120)
+        assert joined.returncode == 0 and head.poll() is None, f"the Ray head exited: {head.poll()}"
+        yield env
+    finally:
+        head.send_signal(signal.SIGTERM)
+        head.wait(timeout=60)
+
+
+def test_ray_data_embeds_every_chunk_as_the_embedder_does_alone(kit_embedder, tmp_path, ray_env):
+    result = run_stage("ray_embed.py", "--embedder", kit_embedder, "--chunk-tokens", 256,
+                       "--workers", 2, "--batch-size", 64, "--out", tmp_path, env=ray_env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert re.search(r"ray data: \d+ chunks of 256 tokens embedded by 2 replicas", result.stdout)
+    chunks, vectors = rag.load_embeddings(tmp_path)
+    assert chunks == rag.chunk(rag.documents(), 256)
+    alone = rag.embed(rag.embedder(kit_embedder), [c.text for c in chunks])
+    assert vectors.shape == alone.shape and np.allclose(vectors, alone, atol=1e-5)
+
+
 def test_two_ray_train_workers_train_as_the_ddp_stage_does_on_two_processes(builtin_data, tmp_path,
-                                                                          ddp_ten_steps):
+                                                                          ddp_ten_steps, ray_env):
     result = run_stage("ray_train_gpt2.py", *TEN_STEPS, "--workers", "2", "--data",
-                       builtin_data, "--out", tmp_path, env=kit_env(ONE_THREAD))
+                       builtin_data, "--out", tmp_path, env=ray_env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "ray train: 2 workers, step 10, loss " in result.stdout
     assert result.stdout.count("step 10/10 ") == 1  # rank 0's line, forwarded once
@@ -43,10 +85,10 @@ def within(distribution, value):
     return distribution.low <= value <= distribution.high
 
 
-def tune(scheduler, trials, builtin_data, study_dir):
+def tune(scheduler, trials, builtin_data, study_dir, env):
     result = run_stage("ray_tune_gpt2.py", "--scheduler", scheduler, "--trials", trials,
                        "--workers", 2, "--max-steps", TUNE_STEPS, "--eval-interval", TUNE_RUNG,
-                       "--data", builtin_data, "--study-dir", study_dir, env=kit_env(ONE_THREAD))
+                       "--data", builtin_data, "--study-dir", study_dir, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result.stdout + result.stderr, runs.read_json(study_dir / "best.json")
 
@@ -55,8 +97,9 @@ def trial_logs(study_dir):
     return sorted(study_dir.glob("ray/*/run/train.log"))
 
 
-def test_asha_stops_the_worse_trials_of_lesson_07s_space_at_its_rungs(builtin_data, tmp_path):
-    output, best = tune("asha", 4, builtin_data, tmp_path)
+def test_asha_stops_the_worse_trials_of_lesson_07s_space_at_its_rungs(builtin_data, tmp_path,
+                                                                      ray_env):
+    output, best = tune("asha", 4, builtin_data, tmp_path, ray_env)
     assert best["trials"] == 4 and len(trial_logs(tmp_path)) == 4
     # a trial stopped at a rung trained fewer steps than the budget: the study spent less
     assert TUNE_STEPS * 2 <= best["steps_trained"] < TUNE_STEPS * 4, output[-3000:]
@@ -66,8 +109,8 @@ def test_asha_stops_the_worse_trials_of_lesson_07s_space_at_its_rungs(builtin_da
     assert f"ray tune (asha): 4 trials, {best['steps_trained']} steps trained; best val " in output
 
 
-def test_pbt_trials_go_on_from_a_better_ones_checkpoint(builtin_data, tmp_path):
-    output, best = tune("pbt", 2, builtin_data, tmp_path)
+def test_pbt_trials_go_on_from_a_better_ones_checkpoint(builtin_data, tmp_path, ray_env):
+    output, best = tune("pbt", 2, builtin_data, tmp_path, ray_env)
     assert best["trials"] == 2 and best["best"]["step"] == TUNE_STEPS
     logs = [log.read_text() for log in trial_logs(tmp_path)]
     # the worse trial stopped at a perturbation and resumed from the better one's checkpoint
