@@ -81,6 +81,18 @@ def tcp_port(text):
     return value
 
 
+def stage_list(text):
+    """Comma-separated names of stage scripts in solutions/ (train_gpt2_<stage>.py)."""
+    from coursekit import stages
+    known = stages.names()
+    chosen = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in chosen if name not in known]
+    if not chosen or unknown:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected stages among {', '.join(known)}, "
+                                         "comma-separated")
+    return tuple(chosen)
+
+
 def build_parser():
     parser = ArgumentParser(prog="python -m coursekit", description=__doc__,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -229,6 +241,9 @@ def build_parser():
                           help="processes per node (default: every GPU, or 2 on a CPU)")
     selftest.add_argument("--data", default=str(KIT_ROOT / "data" / "builtin"),
                           help="prepared data to train on (default: the builtin corpus)")
+    selftest.add_argument("--stages", type=stage_list,
+                          help="comma-separated stages to run, to check one again after a fix "
+                               "(default: all; std, the reference, always runs)")
     selftest.add_argument("--timeout", type=positive_int, default=1800,
                           help="seconds each run may take (default %(default)s)")
     return parser

@@ -62,6 +62,7 @@ class Plan:
     data: str
     out: str
     master_addr: str    # the first node: where multi-node runs meet
+    stages: tuple = ONE_DEVICE + ALL_DEVICES  # those to run (std, the reference, always runs)
 
     @property
     def processes(self):
@@ -111,7 +112,8 @@ def make_plan(args):
     micro_batch = args.micro_batch or largest_micro_batch(preset, device, precision)
     return Plan(device, per_node, args.nodes, preset.name, micro_batch, preset.seq_len,
                 args.steps, precision, str(Path(args.data).absolute()), str(Path(args.out)),
-                os.environ.get("MASTER_ADDR", "127.0.0.1"))
+                os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                ("std", *(args.stages or ONE_DEVICE + ALL_DEVICES)))
 
 
 def largest_micro_batch(preset, device, precision):
@@ -254,13 +256,15 @@ def last_line(text):
 # --- the training runs ---------------------------------------------------------------------------
 
 def planned_runs(plan):
-    """(stage, processes) of every run: one device first, std (the reference) leading."""
-    planned = [(stage, 1) for stage in ONE_DEVICE]
+    """(stage, processes) of every run of the plan's stages: one device first, std (the reference)
+    leading."""
+    planned = [(stage, 1) for stage in ONE_DEVICE if stage in plan.stages]
     if plan.processes > 1:
         n_layer = presets.get_preset(plan.preset).n_layer
         runnable = {"pp": plan.processes <= n_layer,  # a block per stage at least
                     "tp": tensor_parallel_size(plan) > 1}  # a node's GPUs share the heads
-        planned += [(stage, plan.processes) for stage in ALL_DEVICES if runnable.get(stage, True)]
+        planned += [(stage, plan.processes) for stage in ALL_DEVICES
+                    if stage in plan.stages and runnable.get(stage, True)]
     return planned
 
 

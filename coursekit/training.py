@@ -9,6 +9,7 @@ loop and the parallelism stay in the scripts: they are what the lessons teach.
 """
 import argparse
 import functools
+import math
 import signal
 from contextlib import nullcontext
 from dataclasses import asdict
@@ -316,6 +317,23 @@ def step_line(record, args, first=False):
     if first and args.compile:
         line += " | compiled the model in this step"
     return line
+
+
+def stop_if_diverged(record, run_dir, precision):
+    """Stop with one line at the first step whose loss or gradient norm is not a number (NaN or
+    infinite): the weights are lost from that step on (clipping an infinite norm scales every
+    gradient by 0, which turns infinite ones into NaN), and a checkpoint saved now would keep
+    them. Under fp16 loss scaling an infinite gradient is expected now and then: the scaler skips
+    that step. The step's record is written first (its grad_norm is part of the diagnosis); the
+    checkpoints are all older."""
+    loss, grad_norm = record["loss"], record["grad_norm"]
+    if math.isfinite(loss) and (math.isfinite(grad_norm) or precision.scaler.is_enabled()):
+        return
+    raise KitError(f"the loss is {loss:.4g} and the gradient norm {grad_norm:.4g} at step "
+                   f"{record['step']}: the weights are lost from this step on, and the "
+                   f"checkpoints are from before it. grad_norm in {Path(run_dir) / 'metrics.jsonl'} "
+                   "shows how it grew: lower --lr or add --warmup-steps, then run again without "
+                   "--resume")
 
 
 # --- the sample at the end --------------------------------------------------------------------

@@ -8,12 +8,12 @@ asha  Asynchronous successive halving: random proposals from the whole space, an
       (eval_interval x 3^k steps) a trial goes on only if it is in the best third of those that
       reached that rung so far. Lesson 07's Hyperband pruner runs the same rule in brackets.
 pbt   Population-based training: --trials runs train side by side from the start; every
-      --eval-interval steps, one in the worst quarter stops, copies the weights of one in the best
-      quarter (its checkpoint) and goes on with that one's learning rate perturbed (x0.8 or
-      x1.2, or a new draw). What PBT finds is a schedule, not one value. Only what can change in the
-      middle of a run is explored: the learning rate, which the trainer sets at every step. The
-      others keep the preset's values (a copied model needs the same depth, and a resumed run the
-      same batch).
+      --eval-interval steps, once all have reached it, one in the worst quarter stops, copies the
+      weights of one in the best quarter (its checkpoint) and goes on with that one's learning
+      rate perturbed (x0.8 or x1.2, or a new draw). What PBT finds is a schedule, not one value.
+      Only what can change in the middle of a run is explored: the learning rate, which the
+      trainer sets at every step. The others keep the preset's values (a copied model needs the
+      same depth, and a resumed run the same batch).
 
 Each trial is the std stage in its own process, followed through its metrics.jsonl as lesson 07's
 workers follow theirs; Ray runs --workers of them at once, one CPU (or one GPU) each, on any node
@@ -61,8 +61,10 @@ def search(args):
                                     grace_period=args.eval_interval, reduction_factor=3)
     fixed = hpo_optuna.default_hyperparameters(preset, args.max_steps, args.batch_unit)
     return ({**fixed, "lr": space["lr"]},
+            # synchronous: the population is compared when every trial has reached the same step,
+            # not each trial with the others' latest results (from fewer steps, if they are slower)
             PopulationBasedTraining(time_attr="step", perturbation_interval=args.eval_interval,
-                                    hyperparam_mutations={"lr": space["lr"]}))
+                                    hyperparam_mutations={"lr": space["lr"]}, synch=True))
 
 
 def restore(checkpoint, run_dir):

@@ -25,6 +25,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from coursekit import distributed, faults, memory, perf, presets, runs, tracking, training
+from coursekit.watchdog import StepWatch
 from solutions.gpt import GPT, GPTConfig, cross_entropy
 
 STAGE = Path(__file__).stem.removeprefix("train_gpt2_")  # names the default run directory
@@ -178,6 +179,7 @@ def main(argv=None):
     tracker = tracking.start(args.track, run_dir, resumed=start_step > 0)
 
     stop, done = training.StopSignal(), start_step
+    watch = StepWatch(run_dir, rank, model)  # per-rank step times, stacks if one hangs
     for step in range(start_step, args.max_steps):
         t0 = time.perf_counter()
         lr = learning_rate(step, args.lr, args.warmup_steps, args.max_steps)
@@ -199,6 +201,7 @@ def main(argv=None):
         totals = distributed.all_reduce_mean(torch.stack([loss_sum, stop.flag(device)]))
         loss_value, stopping = totals.tolist()
         dt = time.perf_counter() - t0
+        watch.step_done(step + 1, t0)
 
         done = step + 1
         tokens_per_s = args.batch_tokens / dt
@@ -213,6 +216,7 @@ def main(argv=None):
         if rank == 0:
             runs.append_metrics(run_dir, record)
         tracker.log_step(record)
+        training.stop_if_diverged(record, run_dir, precision)  # before a checkpoint keeps NaNs
 
         if rank == 0 and (done % args.ckpt_interval == 0 or done == args.max_steps or stopping):
             save_checkpoint(run_dir, done, model, optimizer, train_loader, device)

@@ -9,7 +9,7 @@ import hashlib
 
 import pytest
 
-from coursekit import KitError, cli, distributed, faults, stages
+from coursekit import KitError, cli, distributed, faults, stages, watchdog
 
 SHARED = [(["--micro-batch", "0"], "argument --micro-batch: expected a positive integer, got 0"),
           (["--device", "tpu"], "argument --device: invalid choice: 'tpu' (choose from 'auto', "
@@ -38,6 +38,8 @@ COMMAND_CASES = [
                                           "config.json)"),
     (["export-hf", "/nonexistent/run", "/nonexistent/out"],
      "error: run directory /nonexistent/run does not exist"),
+    (["selftest", "--stages", "ddp,zero"], "argument --stages: 'ddp,zero': expected stages among "
+                                           "ddp, fsdp, lit, pp, std, tp, comma-separated"),
     (["assignments", "--root", "/nonexistent/course"],
      "error: --root /nonexistent/course holds no notebooks/ folder"),
 ]
@@ -96,3 +98,10 @@ def test_a_bad_collective_timeout_is_one_line(value, monkeypatch):
     monkeypatch.setenv("KIT_DIST_TIMEOUT", value)
     assert faults.run(distributed.dist_timeout) == \
         f"error: KIT_DIST_TIMEOUT={value!r}: expected a number of seconds > 0"
+
+
+@pytest.mark.parametrize("value", ["never", "-1", "nan"])
+def test_a_bad_watchdog_time_is_one_line(value, monkeypatch):
+    monkeypatch.setenv("KIT_WATCHDOG", value)
+    assert faults.run(watchdog.watchdog_seconds) == \
+        f"error: KIT_WATCHDOG={value!r}: expected a number of seconds >= 0 (0: no watchdog)"

@@ -33,10 +33,13 @@ def faulty(action, rank, step, launches=1):
 
 def test_a_hung_rank_stops_the_others_within_the_timeout_naming_the_collective(builtin_data,
                                                                                  tmp_path):
-    timeout = 5
+    """Before the timeout, each rank's watchdog writes its stacks: where the hung rank is stuck,
+    and the collective the other waits in."""
+    timeout, watchdog = 5, 2
     command = torchrun_command(2, DDP_SCRIPT, *TEN_STEPS, "--data", builtin_data, "--out",
                                tmp_path)
-    launcher = interrupt.start(command, {**faulty("hangs", 1, 3), "KIT_DIST_TIMEOUT": str(timeout)})
+    launcher = interrupt.start(command, {**faulty("hangs", 1, 3), "KIT_DIST_TIMEOUT": str(timeout),
+                                         "KIT_WATCHDOG": str(watchdog)})
     try:
         interrupt.read_until(launcher, "step 3/10 ")  # rank 1 hangs from here on
         hung_at = time.monotonic()
@@ -53,6 +56,10 @@ def test_a_hung_rank_stops_the_others_within_the_timeout_naming_the_collective(b
                     rf"did not complete within "
                     rf"{timeout} s \(KIT_DIST_TIMEOUT\): another process hung", error)
     assert "the last checkpoint is intact: run the same command again with --resume" in error
+    stuck, waiting = ((tmp_path / "ranks" / f"{rank}.stacks").read_text() for rank in (1, 0))
+    assert stuck.startswith(f"--- no step ended within {watchdog} s after step 3 ---")
+    assert re.search(r'File ".*/sitecustomize\.py", line \d+ in print_then_fail', stuck), stuck
+    assert re.search(r"line \d+ in forward_backward\n.* in main", waiting), waiting  # in backward
 
 
 def test_a_crashed_rank_restarts_the_group_which_ends_like_an_uninterrupted_run(
@@ -113,3 +120,17 @@ def test_a_disk_that_fills_during_a_checkpoint_loses_nothing(builtin_data, tmp_p
     final, expected = runs.load_checkpoint(tmp_path), runs.load_checkpoint(std_twenty_steps)
     for part in ("model", "optimizer", "train_loader"):
         assert_identical(final[1][part], expected[1][part])
+
+
+def test_a_diverging_run_stops_at_its_first_infinite_gradient_before_checkpointing_it(
+        builtin_data, tmp_path):
+    """A learning rate 1,000 times too high: step 2's gradients overflow. The run stops there with
+    one line, its record written and its weights not checkpointed."""
+    result = run_stage("train_gpt2_std.py", *TEN_STEPS, "--ckpt-interval", 1, "--lr", 1000,
+                       "--warmup-steps", 0, "--data", builtin_data, "--out", tmp_path,
+                       env=kit_env(ONE_THREAD))
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-3000:]
+    assert re.match(r"error: the loss is \S+ and the gradient norm inf at step 2: the weights are "
+                    r"lost from this step on", result.stderr)
+    assert [r["step"] for r in runs.read_metrics(tmp_path)] == [1, 2]
+    assert runs.load_checkpoint(tmp_path)[0] == 1

@@ -1,6 +1,7 @@
-"""`python -m coursekit selftest` on this machine's CPU, as an instructor runs it on a new node:
-every stage trains, the report says what it measured, and a failure is one line. (Across the 2
-nodes of the Slurm test cluster, from its batch file: tests/test_slurm.py.)"""
+"""`python -m coursekit selftest` on this machine's CPU, as an instructor runs it on a new node: the
+stages train, the report says what it measured, and a failure is one line. Here with the tensor-
+parallel stage alone (--stages tp), which needs 2 processes of one node: every other stage trains
+across the 2 nodes of the Slurm test cluster, from the self-test's batch file (tests/test_slurm.py)."""
 import json
 import subprocess
 import sys
@@ -21,18 +22,17 @@ def selftest_command(out, *args):
 @pytest.fixture(scope="module")
 def passed(builtin_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("selftest")
-    result = subprocess.run(selftest_command(out, "--data", builtin_data), capture_output=True,
-                            text=True, cwd=KIT_ROOT, timeout=900)
+    result = subprocess.run(selftest_command(out, "--data", builtin_data, "--stages", "tp"),
+                            capture_output=True, text=True, cwd=KIT_ROOT, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out, result.stdout, json.loads((out / "selftest.json").read_text())
 
 
-def test_every_stage_trains_alike_on_one_process_and_on_two(passed):
+def test_the_chosen_stage_trains_as_std_does_on_one_process(passed):
     _, stdout, report = passed
     assert report["ok"] and report["failures"] == []
     ran = [(r["stage"], r["processes"]) for r in report["runs"]]
-    assert ran == [("std", 1), ("ddp", 1), ("fsdp", 1), ("lit", 1),
-                   ("ddp", 2), ("fsdp", 2), ("tp", 2), ("pp", 2), ("lit", 2)]
+    assert ran == [("std", 1), ("tp", 2)]  # std, the reference, and the stage asked for
     reference = report["runs"][0]["losses"]
     for run in report["runs"]:
         assert run["ok"] and len(run["losses"]) == STEPS, run

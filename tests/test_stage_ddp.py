@@ -2,6 +2,7 @@
 update for the same global batch; 2 processes follow the std run and resume after a pre-emption
 signal exactly where an uninterrupted run would be. `srun python train_gpt2_ddp.py` (ranks from
 Slurm's variables, no torchrun) runs under the test cluster's real srun (tests/test_slurm.py)."""
+import json
 import signal
 import subprocess
 import sys
@@ -141,3 +142,15 @@ def test_batch_that_does_not_split_across_processes_is_refused(builtin_data, tmp
     assert result.returncode != 0
     assert ("error: --batch-tokens 512 is not a multiple of micro-batch x seq-len x data-parallel "
             "processes = 4 x 128 x 2") in result.stderr
+
+
+def test_each_rank_records_its_steps_and_the_time_it_took_to_reach_the_all_reduce(ddp_ten_steps):
+    steps = runs.read_metrics(ddp_ten_steps)
+    records = {rank: [json.loads(line) for line in
+                      (ddp_ten_steps / "ranks" / f"{rank}.jsonl").read_text().splitlines()]
+               for rank in (0, 1)}
+    for rank_steps in records.values():
+        assert [r["step"] for r in rank_steps] == [s["step"] for s in steps]
+        assert all(0 < r["ready_s"] < r["step_s"] for r in rank_steps)
+    # rank 0's step time is the one its step line gives
+    assert all(abs(r["step_s"] - s["ms"] / 1000) < 0.05 for r, s in zip(records[0], steps))
