@@ -10,7 +10,9 @@ can cause.
   script, and the timeout it waited. gloo says only "Timed out waiting 600000ms for recv" or
   "Connection closed by peer", which names neither; NCCL's watchdog names the collective itself
   and ends the process (TORCH_NCCL_ASYNC_ERROR_HANDLING), so on GPUs its own line says it;
-- a full disk or quota: the path that could not be written.
+- a full disk or quota: the path that could not be written;
+- memory that ran out (a GPU's, or a CPU process's limit): how much was asked for, where, and the
+  fixes that keep the training the same.
 Anything else is a bug, and keeps its traceback.
 
 The stages start their process group with coursekit.distributed.setup: collectives that time
@@ -44,6 +46,8 @@ def run(main):
             raise
         return f"error: {no_room(err)}; {RESUME}"
     except RuntimeError as err:
+        if OUT_OF_MEMORY.search(str(err)):
+            return f"error: {out_of_memory(err)}"
         if not is_collective_failure(err):
             raise
         return f"error: {collective_failure(err)}; {RESUME}"
@@ -87,10 +91,42 @@ def is_collective_failure(err):
             and bool(PEER_LOST.search(str(err)) or TIMED_OUT.search(str(err))))
 
 
+# How PyTorch reports an allocation that did not fit: the GPU's (torch.OutOfMemoryError) and the
+# CPU's allocator (its RuntimeError, when the process's memory limit or the node's is reached)
+OUT_OF_MEMORY = re.compile(r"CUDA out of memory|HIP out of memory|XPU out of memory|"
+                           r"DefaultCPUAllocator: can't allocate memory")
+TRIED = re.compile(r"(?:Tried to allocate|you tried to allocate) ([\d.]+ ?[KMGT]?i?B|\d+ bytes)")
+
+
+def out_of_memory(err):
+    """One line on an allocation that did not fit: this rank, how much, where, and the fixes that
+    keep the training the same."""
+    tried = TRIED.search(str(err))
+    amount = f" allocating {tried.group(1)}" if tried else ""
+    return (f"{this_rank()}out of memory{amount}{where(err)}: lower --micro-batch (the same "
+            "--batch-tokens trains the same, in more accumulation steps), add "
+            "--activation-checkpointing (fsdp, tp, pp) or shard the model (fsdp); coursekit.memory "
+            "predicts what fits")
+
+
+def this_rank():
+    import torch.distributed as dist
+    initialized = dist.is_available() and dist.is_initialized()
+    return f"rank {dist.get_rank()} of {dist.get_world_size()}: " if initialized else ""
+
+
+def where(err):
+    """ at script.py:LINE (the line): the innermost frame of the training script itself, not of
+    the kit or a library; "" if there is none."""
+    kit = Path(__file__).parent
+    ours = [f for f in traceback.extract_tb(err.__traceback__) if "site-packages" not in f.filename
+            and not f.filename.startswith(sys.prefix) and Path(f.filename).parent != kit]
+    return f" at {Path(ours[-1].filename).name}:{ours[-1].lineno} ({ours[-1].line})" if ours else ""
+
+
 def collective_failure(err):
     """One line on a failed collective: this rank, the collective, the script's line that called
     it, and what happened to the peer."""
-    import torch.distributed as dist
     frames = traceback.extract_tb(err.__traceback__)
     called = [f.name for f in frames if f.filename.endswith("distributed_c10d.py")
               and not f.name.startswith("_") and f.name != "wrapper"]
@@ -100,10 +136,6 @@ def collective_failure(err):
         collective = "the gradient all-reduce in backward (DDP)"
     else:
         collective = "a collective"
-    kit = Path(__file__).parent  # the script's line that called the kit's collective, not the kit's
-    ours = [f for f in frames if "site-packages" not in f.filename
-            and not f.filename.startswith(sys.prefix) and Path(f.filename).parent != kit]
-    where = f" at {Path(ours[-1].filename).name}:{ours[-1].lineno} ({ours[-1].line})" if ours else ""
     timed_out = TIMED_OUT.search(str(err))
     if timed_out:
         seconds = int(timed_out.group(1)) / 1000
@@ -111,4 +143,4 @@ def collective_failure(err):
                 "hung or is far behind")
     else:
         what = "lost a peer: another process died (its own log says why)"
-    return f"rank {dist.get_rank()} of {dist.get_world_size()}: {collective}{where} {what}"
+    return f"{this_rank()}{collective}{where(err)} {what}"

@@ -134,3 +134,17 @@ def test_a_diverging_run_stops_at_its_first_infinite_gradient_before_checkpointi
                     r"lost from this step on", result.stderr)
     assert [r["step"] for r in runs.read_metrics(tmp_path)] == [1, 2]
     assert runs.load_checkpoint(tmp_path)[0] == 1
+
+
+def test_memory_that_runs_out_is_one_line_with_the_fixes(builtin_data, tmp_path):
+    """A process limited to 3 GB of address space, with a micro-batch whose logits' gradient
+    alone takes 0.8 GB (a tiny step takes 1.6 GB at micro-batch 4, 5.7 GB at 32)."""
+    def limit_memory():
+        resource.setrlimit(resource.RLIMIT_AS, (3 * 10**9, 3 * 10**9))
+
+    result = run_stage("train_gpt2_std.py", *TEN_STEPS, "--max-steps", 1, "--micro-batch", 32,
+                       "--batch-tokens", 32 * 128, "--data", builtin_data, "--out", tmp_path,
+                       env=kit_env(ONE_THREAD), preexec_fn=limit_memory)
+    assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-3000:]
+    assert re.match(r"error: out of memory allocating \d+ bytes at train_gpt2_std\.py:\d+ \(.+\): "
+                    r"lower --micro-batch \(the same --batch-tokens trains the same", result.stderr)
