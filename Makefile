@@ -91,8 +91,10 @@ $(BUILTIN_DATA): $(CORE) $(TOKENIZER)
 $(INSTRUCT_DATA): $(INSTALLED)
 	$(BIN)/python -m coursekit instruct prepare --out data/instruct
 
-# Lesson 08's images, the kit's shapes: drawn in seconds, the same bytes everywhere.
+# Lesson 08's images, the kit's shapes: drawn in seconds, the same bytes everywhere (so drawn again
+# from scratch after a new install: the command writes into an empty folder only).
 $(SHAPES_DATA): $(INSTALLED)
+	rm -rf data/shapes
 	$(BIN)/python -m coursekit images prepare --out data/shapes
 
 # The pretrained model lesson 05 fine-tunes: the std stage's tiny run, in Hugging Face format.

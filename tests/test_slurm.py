@@ -57,6 +57,9 @@ SELFTEST_ACROSS_NODES = "batch-selftest-2n1g.sh"
 IMAGES_AGAIN = "batch-images-again.sh"
 # A Ray cluster across 2 nodes, 1 process each (the committed 2n2g file with smaller numbers)
 RAY_ACROSS_NODES = "batch-ray-2n1g.sh"
+# The std job of a profile whose set-up activates a virtual environment that is not there (lesson
+# 10's job that dies at once)
+NO_ENVIRONMENT = "batch-std-1n1g-no-env.sh"
 STEPS = int(re.search(r"--max-steps (\d+)", CI["train_args"]).group(1))
 SITES = [site for site in slurm.site_names() if site != "ci"]
 # Job states Slurm keeps for MinJobAge (300 s) once a job has ended: a poll cannot miss them
@@ -128,7 +131,8 @@ def study_dir(name):
 
 
 def batch_file(cluster, name):
-    if name in (SRUN_LAUNCHED, SELFTEST_ACROSS_NODES, IMAGES_AGAIN, RAY_ACROSS_NODES):
+    if name in (SRUN_LAUNCHED, SELFTEST_ACROSS_NODES, IMAGES_AGAIN, RAY_ACROSS_NODES,
+                NO_ENVIRONMENT):
         return cluster["logs"] / name
     return KIT_ROOT / "batchfiles" / "ci" / name
 
@@ -396,6 +400,33 @@ def test_the_selftest_job_trains_every_stage_across_both_nodes(cluster, builtin_
         assert "NodeList=node[1-2]" in record
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def test_jobs_that_cannot_run_say_why_at_once(cluster):
+    """Lesson 10's Slurm mistakes, with the messages book/first-aid.md gives: sbatch refuses a
+    partition that does not exist and more CPUs than a node has; a job whose environment is not
+    there starts, fails within seconds, and its log says why first."""
+    refused = {"--partition=gpu-typo": "invalid partition specified",
+               f"--cpus-per-task={CI['cpus_per_node'] + 1}":
+                   "Requested node configuration is not available"}
+    for option, message in refused.items():
+        result = subprocess.run(["sbatch", option, str(batch_file(cluster, "batch-std-1n1g.sh"))],
+                                cwd=KIT_ROOT, env=slurm_env(cluster), capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode != 0 and message in result.stderr, result.stderr
+    profile = {**CI, "setup": ["source .venv-typo/bin/activate"]}
+    batch_file(cluster, NO_ENVIRONMENT).write_text(
+        slurm.training_job("std", slurm.Topology(1, 1), profile))
+    job_id = submit(cluster, NO_ENVIRONMENT)
+    status, record = wait_for_job(cluster, job_id, timeout=120)
+    log = (cluster["logs"] / f"{NO_ENVIRONMENT}.{job_id}.out").read_text()
+    assert status != 0 and "JobState=FAILED" in record, record
+    seconds = sum(int(part) * 60 ** i for i, part in
+                  enumerate(reversed(re.search(r"RunTime=(\S+)", record).group(1).split(":"))))
+    assert seconds < 30
+    first_error = next(line for line in log.splitlines()
+                       if re.search(r"error|no such file", line, re.IGNORECASE))
+    assert ".venv-typo/bin/activate: No such file or directory" in first_error, log[:2000]
 
 
 def gcs_answers(address, token=None):

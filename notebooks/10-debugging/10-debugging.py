@@ -1,0 +1,632 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3 (ipykernel)
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # 10 · When distributed training breaks: diagnose, fix, and prove it
+#
+# **Objectives.** After this lesson you can
+# - tell a job that hangs at its start (the rendezvous) from one that hangs in a collective, with
+#   timeouts, the launcher's log and each rank's stack;
+# - read the error DDP gives for an unused parameter, find the parameter, and fix it rather than
+#   pay for `find_unused_parameters`;
+# - notice that every rank reads the same data, by comparing with the std stage;
+# - read an out-of-memory error, predict what fits with `coursekit.memory`, and fix it without
+#   changing the training;
+# - trace a loss that becomes NaN to its step and its cause, with the gradient norm and anomaly
+#   detection;
+# - find a straggler from each rank's step times;
+# - read why a Slurm job never starts or dies at once.
+#
+# **Prerequisites.** Lesson 02 (DDP, torchrun, the process group), lesson 04 (what a rank holds in
+# memory), the cluster chapter (batch files, `squeue`, `sacct`).
+#
+# **Time.** About 65 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
+# The time is an estimate; the instructor guide says how it is made.
+#
+# Every job below is the ddp stage (`solutions/train_gpt2_ddp.py`) on 2 processes with one small
+# mistake, the kind that reaches a cluster. Each case runs the broken job for real, shows what
+# the job shows you (the symptom), then what a tool shows (the diagnosis), the fix, and a
+# check that the fixed job finishes and trains as the reference does. The cells give every job a
+# deadline, so that a hang here costs seconds: on a cluster it costs the job's whole time limit.
+# [The first-aid page](../../book/first-aid.md) lists every symptom with its first command.
+
+# %%
+import contextlib
+import difflib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from IPython.display import Markdown, display
+
+from coursekit import KIT_ROOT, launch, memory, presets, runs, stages
+
+RUNS = Path("runs")  # what this lesson writes
+shutil.rmtree(RUNS, ignore_errors=True)
+RUNS.mkdir()
+DATA = KIT_ROOT / "data" / "builtin"
+DDP = stages.script_path("ddp")
+STEPS = 4
+FLAGS = ["--preset", "tiny", "--data", str(DATA), "--max-steps", str(STEPS), "--eval-interval",
+         str(STEPS), "--eval-steps", "1", "--ckpt-interval", str(STEPS), "--sample-tokens", "0",
+         "--device", "cpu"]
+# One thread a process (as torchrun gives them); collectives that give up after 10 s instead of
+# 600, and a watchdog that writes each rank's stacks after 4 s without a step instead of 300
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "KIT_DIST_TIMEOUT": "10", "KIT_WATCHDOG": "4"}
+
+
+@dataclass
+class Outcome:
+    name: str
+    status: str     # finished, failed (its own exit status), or hung (killed at the deadline)
+    seconds: float
+    output: str     # stdout and stderr, as the job's log would hold them
+
+    def tail(self, lines=4, saying=r"error: |step \d|watchdog: |(\[rank\d\]: )?[\w.]*Error: "):
+        """The last ``lines`` lines of the log that say what happened: the kit's step lines and
+        one-line errors, and the exceptions' own lines (not tracebacks or torchrun's banners)."""
+        said = [line for line in self.output.splitlines()
+                if re.match(saying, line) and "ChildFailedError" not in line]  # torchrun's own
+        return "\n".join(line[:400] for line in said[-lines:])
+
+
+def job(name, command, env=None, deadline=60, preexec_fn=None):
+    """Run ``command`` as the job ``name`` with a deadline: its Outcome. A job still running at
+    the deadline is killed, with every process it started, and counts as hung."""
+    start = time.monotonic()
+    process = subprocess.Popen([str(word) for word in command], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, env=env or ENV,
+                               start_new_session=True, preexec_fn=preexec_fn)
+    try:
+        output, _ = process.communicate(timeout=deadline)
+        status = "finished" if process.returncode == 0 else "failed"
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        status = "hung"
+    return Outcome(name, status, time.monotonic() - start, output)
+
+
+def ddp_job(name, script=DDP, *extra, nproc=2, **kwargs):
+    """The (possibly broken) ddp stage on ``nproc`` processes for STEPS steps into runs/<name>."""
+    out = RUNS / name
+    shutil.rmtree(out, ignore_errors=True)
+    return job(name, [*launch.torchrun(nproc), script, *FLAGS, "--out", out, *extra], **kwargs)
+
+
+def losses(name):
+    return [record["loss"] for record in runs.read_metrics(RUNS / name)]
+
+
+def trains_like(name, reference, tolerance=1e-4):
+    """Whether run ``name`` took the same steps as run ``reference``, loss for loss."""
+    ours, theirs = losses(name), losses(reference)
+    return len(ours) == len(theirs) > 0 and all(abs(a - b) <= tolerance
+                                                for a, b in zip(ours, theirs))
+
+
+def broken(name, old, new):
+    """The ddp stage with one mistake, written to runs/<name>.py: ``old`` replaced by ``new``.
+    Shows the mistake as a diff. Returns the script's path."""
+    source = DDP.read_text()
+    if source.count(old) != 1:
+        raise ValueError(f"{name}: the ddp stage no longer has exactly one {old!r}")
+    script = RUNS / f"{name}.py"
+    script.write_text(source.replace(old, new))
+    return script
+
+
+def show_mistake(script):
+    """The diff between the ddp stage and a broken copy of it: what the case changed."""
+    lines = difflib.unified_diff(DDP.read_text().splitlines(), script.read_text().splitlines(),
+                                 "train_gpt2_ddp.py", script.name, n=1, lineterm="")
+    display(Markdown("```diff\n" + "\n".join(lines) + "\n```"))
+
+
+reference = ddp_job("reference")
+print(f"reference: {reference.status} in {reference.seconds:.0f} s; losses {losses('reference')}")
+
+# %% [markdown]
+# ## 1. A job that hangs before its first step: the rendezvous
+#
+# On two nodes, `srun` starts one `torchrun` per node, and each must find the first node's
+# **rendezvous** at `--master-addr:--master-port`: the first node listens there, the others
+# connect, and only when all have arrived does training start. A batch file that lets each node
+# choose its own port (here `launch.free_port()`, run once per node instead of once for the job)
+# sends the second node to a port where nobody listens. Two `torchrun`s on this machine, as node 0
+# and node 1, show it; `--rdzv-conf timeout=10` makes them give up after 10 s instead of
+# torchrun's default of 15 minutes, and `LOGLEVEL=INFO` makes them say what they wait for.
+
+# %%
+def node_command(node_rank, master_port, out):
+    """torchrun on node ``node_rank`` of 2, one process each, meeting at 127.0.0.1:master_port."""
+    return [*launch.torchrun(1, nodes=2, master_port=master_port), "--node-rank", node_rank,
+            "--rdzv-conf", "timeout=10", DDP, *FLAGS, "--out", out]
+
+
+def run_nodes(commands, deadline=40):
+    """Start the nodes' commands together; their Outcomes once all have ended."""
+    env = {**ENV, "LOGLEVEL": "INFO"}
+    with contextlib.ExitStack() as stack:
+        started = [stack.enter_context(subprocess.Popen(
+            [str(word) for word in command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, env=env, start_new_session=True)) for command in commands]
+        begin, outcomes = time.monotonic(), []
+        for rank, process in enumerate(started):
+            try:
+                output, _ = process.communicate(timeout=max(1, deadline - (time.monotonic() - begin)))
+                status = "finished" if process.returncode == 0 else "failed"
+            except subprocess.TimeoutExpired:
+                os.killpg(process.pid, signal.SIGKILL)
+                output, status = process.communicate()[0], "hung"
+            outcomes.append(Outcome(f"node {rank}", status, time.monotonic() - begin, output))
+    return outcomes
+
+
+def broken_launch(out):
+    """Each node picks a port of its own: the mistake."""
+    return [node_command(rank, launch.free_port(), out) for rank in (0, 1)]
+
+
+# %% tags=["demo"]
+for node in run_nodes(broken_launch(RUNS / "rendezvous-broken")):
+    print(f"--- {node.name}: {node.status} after {node.seconds:.0f} s\n"
+          f"{node.tail(1)}")
+
+# %% [markdown]
+# **Symptom.** Nothing: no step line, no error, until the rendezvous times out (with torchrun's
+# default, after 15 minutes; with none at all, at the job's time limit).
+#
+# **Diagnosis.** Each node's own log. Node 0 waited for a second client that never came
+# (`1/2 clients joined`); node 1 could not connect to the address it was given. The two addresses
+# differ: `(127.0.0.1, <port>)` in node 1's line is not the port node 0 listens on. On a cluster
+# the same two lines read "node 0 waits" and "node 1 cannot reach `MASTER_ADDR`": a wrong address,
+# a port that differs, or a firewall between the nodes.
+#
+# **Exercise 1: the launch.** Write `fixed_launch(out)`: the two nodes' commands, built with
+# `node_command`, that meet. The check runs them and compares the losses with the reference run's.
+
+# %% nbgrader={"grade": false, "grade_id": "fixed_launch", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def fixed_launch(out):
+    """Both nodes' torchrun commands (node_command), meeting at one rendezvous."""
+    ### BEGIN SOLUTION
+    port = launch.free_port()  # chosen once, for the job, as a batch file exports MASTER_PORT
+    return [node_command(rank, port, out) for rank in (0, 1)]
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "fixed_launch_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+commands = fixed_launch(RUNS / "rendezvous-fixed")
+assert len(commands) == 2
+### BEGIN HIDDEN TESTS
+nodes = run_nodes(commands)
+assert [node.status for node in nodes] == ["finished", "finished"], nodes[0].tail(6)
+assert trains_like("rendezvous-fixed", "reference")
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## 2. A job that hangs in a collective: one rank takes another branch
+#
+# A collective (an all-reduce, a broadcast, a barrier) returns only when *every* rank has called
+# it, in the same order. Code that only some ranks run must not contain one. Here rank 0 writes
+# the metrics line and then waits in a barrier "until the line is on disk"; the other rank never
+# calls that barrier.
+
+# %% tags=["demo"]
+script = broken("barrier-on-rank-0", "            runs.append_metrics(run_dir, record)\n",
+                "            runs.append_metrics(run_dir, record)\n"
+                "            torch.distributed.barrier()  # until rank 0's line is on disk\n")
+hung = ddp_job("barrier-on-rank-0", script)
+print(f"{hung.status} after {hung.seconds:.0f} s\n{hung.tail(4)}")
+
+# %% [markdown]
+# **Symptom.** One step line, then nothing; with the kit, each rank's collective gives up after
+# `KIT_DIST_TIMEOUT` seconds and names itself. Without a timeout (NCCL's default is 10 minutes,
+# some codes set hours) the job sits at 100% of its GPUs until the time limit.
+#
+# **Diagnosis.** Where is each rank? Before the timeout, each rank's watchdog wrote the stacks of
+# its threads to `ranks/<rank>.stacks` (here after `KIT_WATCHDOG`=4 s with no step). The main
+# thread's frames in the script say it:
+
+# %% tags=["demo"]
+def script_frames(stacks, script_name):
+    """The frames of the main thread that are in the training script (the last dump)."""
+    last = stacks.split("--- no step ended")[-1]
+    main = last.split("\n\n")[-1]  # faulthandler lists the current thread first, then the others
+    return [line.strip() for line in main.splitlines() if script_name in line]
+
+
+for rank in (0, 1):
+    stacks = (RUNS / "barrier-on-rank-0" / "ranks" / f"{rank}.stacks").read_text()
+    print(f"rank {rank}:", *script_frames(stacks, script.name), sep="\n  ")
+
+# %% [markdown]
+# Rank 0 is in the barrier; rank 1 is already in the next step's forward pass, where DDP's first
+# steps synchronise too. Two ranks in two different collectives: the mismatch. **The fix.** No
+# collective in a branch that only some ranks take (here: no barrier; a file write needs none).
+#
+# Other tools show the same from outside the process. `py-spy dump --pid PID` prints a running
+# Python process's stack, native frames with `--native`, for every rank's PID (`pgrep -f
+# train_gpt2`); on GPUs, NCCL's **flight recorder** (`TORCH_NCCL_TRACE_BUFFER_SIZE=2000`, dumped
+# on a timeout) records each rank's last collectives, and
+# `python -m torch.distributed.flight_recorder.fr_trace` compares them across ranks. When the
+# ranks call collectives of different sizes, gloo does not hang but aborts: `Received data size
+# doesn't match expected size. Is there a distributed collective mismatch in your code?`.
+# `TORCH_DISTRIBUTED_DEBUG=DETAIL` checks every collective's type and shapes across ranks before
+# running it, on GPUs; with DDP on gloo, the CPU build this course tests with (torch 2.13) crashes
+# in DDP's constructor under it, so this lesson does not use it.
+
+# %% [markdown]
+# ## 3. An unused parameter under DDP
+#
+# DDP all-reduces each gradient as soon as backward has produced it, bucket by bucket, and
+# expects every parameter to get one. A module that the loss does not use (a head kept "for
+# later", a branch of the model that a flag switches off) never does.
+
+# %% tags=["demo"]
+script = broken("unused-head", "    ddp_model = DDP(model)\n",
+                "    model.value_head = torch.nn.Linear(config.n_embd, 1).to(device)  # for RL later\n"
+                "    ddp_model = DDP(model)\n")
+show_mistake(script)
+unused = ddp_job("unused-head", script, env={**ENV, "TORCH_DISTRIBUTED_DEBUG": "INFO"})
+print(unused.status, "\n" + unused.tail(3, saying=r"\[rank0\]: (RuntimeError|Parameter)"))
+
+# %% [markdown]
+# **Symptom.** The second step fails on every rank: `Expected to have finished reduction in the
+# prior iteration before starting a new one`. **Diagnosis.** The error ends with the parameters'
+# indices in `model.parameters()`; with `TORCH_DISTRIBUTED_DEBUG=INFO` it names them, here the
+# head's weight and bias. **The fix.** Remove what the loss does not use, or freeze it
+# (`requires_grad_(False)`) before wrapping the model in DDP. `find_unused_parameters=True` also
+# makes the error go away: DDP then walks the autograd graph after every forward pass to find the
+# parameters that will get no gradient. What that walk costs:
+
+# %% tags=["demo"]
+script = broken("find-unused", "    ddp_model = DDP(model)\n",
+                "    model.value_head = torch.nn.Linear(config.n_embd, 1).to(device)  # for RL later\n"
+                "    ddp_model = DDP(model, find_unused_parameters=True)\n")
+found = ddp_job("find-unused", script)
+
+
+def median_step_ms(name):
+    return statistics.median(record["ms"] for record in runs.read_metrics(RUNS / name)[1:])
+
+
+print(f"find_unused_parameters: {found.status}, trains like the reference: "
+      f"{trains_like('find-unused', 'reference')}; median step {median_step_ms('find-unused'):.0f} ms "
+      f"against {median_step_ms('reference'):.0f} ms")
+
+# %% [markdown]
+# It trains the same, and here costs little: the tiny model's graph has a few hundred nodes. At
+# GPT-2's size the walk costs a few per cent of each step, and DDP can no longer start an
+# all-reduce before backward has finished with every bucket: keep it for models whose unused part
+# changes from step to step.
+#
+# ## 4. Every rank reads the same data
+#
+# The ddp stage's loader gives each rank its own share of every minibatch (`rank`, `world_size`).
+# Leave them out and the loader is the std stage's: every rank reads the same samples.
+
+# %% tags=["demo"]
+script = broken("same-data", 'TokenShardLoader(args.data, "train", B, T, rank, world_size)',
+                'TokenShardLoader(args.data, "train", B, T)')
+same = ddp_job("same-data", script)
+print(f"{same.status}; losses {[round(x, 4) for x in losses('same-data')]}")
+print(f"reference:    {[round(x, 4) for x in losses('reference')]}")
+
+# %% [markdown]
+# **Symptom.** None that stops the job: the loss goes down, only more slowly than it should, and a
+# run N times too long is the cost. **Diagnosis.** Compare with the std stage, which must give the
+# same losses at the same global batch (lesson 02). Averaging N copies of one microbatch's
+# gradient gives that microbatch's gradient, so the broken job trains exactly as the std stage
+# does on *one* rank's share of the batch:
+
+# %% tags=["demo"]
+micro = presets.get_preset("tiny").micro_batch * presets.get_preset("tiny").seq_len
+std = job("std-one-share", [sys.executable, stages.script_path("std"), *FLAGS, "--out",
+                            RUNS / "std-one-share", "--batch-tokens", micro])
+print(f"std at one rank's share of the batch ({micro} tokens): same losses as the broken job: "
+      f"{trains_like('same-data', 'std-one-share')}; as the reference: "
+      f"{trains_like('same-data', 'reference')}")
+
+# %% [markdown]
+# **The fix.** Give the loader the rank and the world size (or a `DistributedSampler` to a
+# `DataLoader`). The check that proves it is lesson 02's: the fixed job's losses are the std
+# stage's at the same global batch.
+#
+# ## 5. Out of memory
+#
+# On a GPU: `torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.07 GiB`, and
+# `torch.cuda.memory_summary()` tells how much the allocator held and what for. On this CPU,
+# a memory limit on the process (3 GB of address space, as a job's `--mem` limit or a node's
+# memory does) shows the same: a micro-batch of 32 needs the gradients of 32 x 128 x 50,304
+# logits at once.
+
+# %% tags=["demo"]
+LIMIT = 3 * 10**9
+BIG = ["--micro-batch", "32", "--batch-tokens", str(2 * 32 * 128)]  # 2 ranks x 32 samples
+
+
+def limit_memory():
+    import resource
+    resource.setrlimit(resource.RLIMIT_AS, (LIMIT, LIMIT))
+
+
+oom = ddp_job("oom", DDP, *BIG, "--max-steps", "2", preexec_fn=limit_memory)
+print(oom.status, "\n" + oom.tail(1))
+
+# %% [markdown]
+# **Symptom.** The kit's one line: how much could not be allocated, on which rank and where, and
+# the fixes that keep the training the same. **Diagnosis.** `coursekit.memory` predicts what a
+# rank holds at its peak (lesson 04): parameters, gradients, optimiser state, activations and, at
+# the start of backward, the gradients of the logits, which GPT-2's vocabulary makes the largest
+# part:
+
+# %% tags=["demo"]
+TINY = memory.Model.from_preset(presets.get_preset("tiny"))
+for micro_batch in (32, 8, 2):
+    parts = memory.per_rank_bytes(TINY, "ddp", 2, "fp32", micro_batch, 128)
+    print(f"micro-batch {micro_batch:2}: " + ", ".join(f"{part} {value / 1e9:.2f} GB"
+                                                     for part, value in parts.items()))
+
+# %% [markdown]
+# **The fix.** What keeps the training the same: a smaller micro-batch with the same
+# `--batch-tokens`, which the stage makes up with gradient accumulation (lesson 01). Others: activation checkpointing
+# (fsdp, tp, pp: `--activation-checkpointing`) trades memory for a second forward pass; FSDP
+# shards parameters, gradients and optimiser state (lesson 04).
+#
+# **Exercise 2: what fits.** Write `largest_micro_batch(budget_bytes, micro_batches)`: the largest
+# of `micro_batches` whose predicted peak on one of 2 ddp ranks (`memory.per_rank_bytes(TINY,
+# "ddp", 2, "fp32", micro_batch, 128)["total"]`) is at most `budget_bytes`, or None if none is.
+
+# %% nbgrader={"grade": false, "grade_id": "largest_micro_batch", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def largest_micro_batch(budget_bytes, micro_batches=(32, 16, 8, 4, 2, 1)):
+    ### BEGIN SOLUTION
+    fitting = [m for m in micro_batches
+               if memory.per_rank_bytes(TINY, "ddp", 2, "fp32", m, 128)["total"] <= budget_bytes]
+    return max(fitting, default=None)
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "largest_micro_batch_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+def predicted(micro_batch):
+    return memory.per_rank_bytes(TINY, "ddp", 2, "fp32", micro_batch, 128)["total"]
+
+
+assert largest_micro_batch(predicted(32)) == 32
+assert largest_micro_batch(predicted(8)) == 8
+### BEGIN HIDDEN TESTS
+assert largest_micro_batch(predicted(8) - 1) == 4
+assert largest_micro_batch(predicted(1) - 1) is None
+assert largest_micro_batch(10**12, (3, 5)) == 5
+assert largest_micro_batch(predicted(16), [1, 16, 4]) == 16
+### END HIDDEN TESTS
+
+# %% [markdown]
+# The fixed job, under the same limit, at the micro-batch that fits a budget of 1 GB (the limit
+# less what a process holds besides training: more than a gigabyte of libraries and buffers
+# here), against the same job without the limit at micro-batch 32:
+
+# %% tags=["demo"]
+fits = largest_micro_batch(10**9)
+fixed = ddp_job("oom-fixed", DDP, *BIG[2:], "--micro-batch", str(fits), "--max-steps", "2",
+                preexec_fn=limit_memory)
+unlimited = ddp_job("unlimited", DDP, *BIG, "--max-steps", "2")
+print(f"micro-batch {fits} under {LIMIT / 1e9:.0f} GB: {fixed.status}; micro-batch 32 without "
+      f"the limit: {unlimited.status}; the same training: {trains_like('oom-fixed', 'unlimited')}")
+
+# %% [markdown]
+# ## 6. A loss that becomes NaN
+#
+# A learning rate far too high for the first steps (no warm-up) throws the weights so far that
+# the logits overflow. The kit stops the run at the first step whose loss or gradient norm is not
+# a number, before a checkpoint could keep the broken weights:
+
+# %% tags=["demo"]
+nan = ddp_job("nan", DDP, "--lr", "1000", "--warmup-steps", "0", "--ckpt-interval", "1")
+print(nan.status, "\n" + nan.tail(1))
+print("grad_norm per step:", [r["grad_norm"] for r in runs.read_metrics(RUNS / "nan")])
+
+# %% [markdown]
+# **Diagnosis.** The gradient norms the run logged: where they leave their usual range is where it
+# went wrong, often hundreds of steps before the NaN. Anomaly detection names the operation whose
+# backward first produced a NaN: slow (it checks every operation), so run it on the step before,
+# resumed from the last good checkpoint. Here, the std stage's model after one such step, in this
+# process:
+
+# %% tags=["demo"]
+std_stage = stages.load("std")
+torch.manual_seed(1337)
+preset = presets.get_preset("tiny")
+model = std_stage.GPT(std_stage.GPTConfig(vocab_size=preset.vocab_size, block_size=preset.seq_len,
+                                          n_layer=preset.n_layer, n_head=preset.n_head,
+                                          n_embd=preset.n_embd))
+optimizer = torch.optim.AdamW(model.parameters(), lr=1000.0)
+batches = std_stage.TokenShardLoader(DATA, "train", preset.micro_batch, preset.seq_len)
+with warnings.catch_warnings(record=True) as warned, torch.autograd.detect_anomaly():
+    for step in (1, 2, 3):
+        x, y = batches.next_batch()
+        try:
+            std_stage.cross_entropy(model(x), y).backward()
+        except RuntimeError as anomaly:
+            print(f"step {step}: {str(anomaly).splitlines()[0]}")
+            break
+        optimizer.step()
+        optimizer.zero_grad()
+# the warning holds the forward call that made the operation: its last lines in the model
+forward_trace = next(str(w.message) for w in warned if "Error detected in" in str(w.message))
+forward_trace = forward_trace.splitlines()
+in_model = [i for i, line in enumerate(forward_trace) if "solutions/gpt.py" in line]
+print("made in forward by:", *(forward_trace[i].strip() + ": " + forward_trace[i + 1].strip()
+                               for i in in_model[-2:]), sep="\n  ")
+
+# %% [markdown]
+# **The fix.** A learning rate the model can take (the preset's), reached by a warm-up. In 16-bit
+# training on GPUs there is a third cause: fp16 without loss scaling, whose gradients overflow to
+# inf (the stages scale the loss in fp16, lesson 01).
+#
+# **Exercise 3: where it went wrong.** Write `diverged_at(records, factor=10)`: the first step
+# whose `grad_norm` is not finite, or more than `factor` times the median `grad_norm` of all the
+# steps before it; None if there is none. The first step has no steps before it and is never
+# the answer unless its norm is not finite.
+
+# %% nbgrader={"grade": false, "grade_id": "diverged_at", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def diverged_at(records, factor=10):
+    ### BEGIN SOLUTION
+    norms = []
+    for record in records:
+        norm = record["grad_norm"]
+        if not math.isfinite(norm) or (norms and norm > factor * statistics.median(norms)):
+            return record["step"]
+        norms.append(norm)
+    return None
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "diverged_at_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+def trace(*norms):
+    return [{"step": step, "grad_norm": norm} for step, norm in enumerate(norms, start=1)]
+
+
+assert diverged_at(trace(1.0, 0.9, 0.8)) is None
+assert diverged_at(trace(1.0, 0.9, math.inf)) == 3
+### BEGIN HIDDEN TESTS
+assert diverged_at(trace(math.nan)) == 1
+assert diverged_at(trace(1.0, 2.0, 3.0, 25.0, math.nan)) == 4  # 25 > 10 x median(1, 2, 3)
+assert diverged_at(trace(1.0, 2.0, 3.0, 19.0), factor=10) is None
+assert diverged_at(trace(1.0, 2.0, 3.0, 19.0), factor=5) == 4
+assert diverged_at(trace(5.0, 0.5, 0.4, 6.0)) == 4  # 6 > 10 x median(5, 0.5, 0.4) = 5
+assert diverged_at([]) is None
+assert diverged_at(runs.read_metrics(RUNS / "nan")) == 2 if (RUNS / "nan").exists() else True
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## 7. A straggler
+#
+# One slow rank (a node whose file system is slow, a core another job also uses, a GPU that
+# throttles) slows every rank, since each waits for it in the all-reduce. Here rank 1 takes 0.3 s
+# more than rank 0 to read each batch:
+
+# %% tags=["demo"]
+script = broken("straggler", "        return x[self.rank], y[self.rank]  # this rank's share\n",
+                "        time.sleep(0.3 * self.rank)  # rank 1 reads from a slow disk\n"
+                "        return x[self.rank], y[self.rank]  # this rank's share\n")
+slow = ddp_job("straggler", script, "--max-steps", "6")
+for rank in (0, 1):
+    records = [json.loads(line) for line in
+               (RUNS / "straggler" / "ranks" / f"{rank}.jsonl").read_text().splitlines()]
+    print(f"rank {rank}: step_s {[round(r['step_s'], 2) for r in records]}\n"
+          f"        ready_s {[round(r['ready_s'], 2) for r in records]}")
+
+# %% [markdown]
+# **Symptom.** Slow steps, and a low MFU on every rank. **Diagnosis.** Each rank's record of its
+# own steps, `ranks/<rank>.jsonl`: `step_s` is the same on both ranks (they wait for each other),
+# but `ready_s`, the time a rank takes to reach the gradient all-reduce, is 0.3 s longer on rank
+# 1 at every step but the second (there DDP rebuilds its buckets once, in forward, and rank 0
+# waits for rank 1 to do the same). On GPUs the same shows in a profiler's trace (lesson 01): the fast ranks'
+# all-reduce kernels start early and last long, waiting. **The fix.** It depends on the cause: move
+# the data to a faster file system, exclude the node (`--exclude`), give the job whole nodes.
+#
+# **Exercise 4: which rank.** Write `straggler(run_dir)`: the rank whose median `ready_s` in
+# `run_dir/ranks/<rank>.jsonl` is the largest, and by how many seconds its median exceeds the
+# median of the other ranks' medians: `(rank, seconds)`. Skip the first step of each rank (it
+# includes one-off work), and a record whose `ready_s` is None.
+
+# %% nbgrader={"grade": false, "grade_id": "straggler", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def straggler(run_dir):
+    ### BEGIN SOLUTION
+    medians = {}
+    for path in sorted(Path(run_dir, "ranks").glob("*.jsonl")):
+        records = [json.loads(line) for line in path.read_text().splitlines()][1:]
+        medians[int(path.stem)] = statistics.median(r["ready_s"] for r in records
+                                                    if r["ready_s"] is not None)
+    slowest = max(medians, key=medians.get)
+    others = statistics.median(m for rank, m in medians.items() if rank != slowest)
+    return slowest, medians[slowest] - others
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "straggler_tests", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+def rank_logs(folder, ready_by_rank):
+    """runs' ranks/<rank>.jsonl files with the given ready_s per step."""
+    (folder / "ranks").mkdir(parents=True, exist_ok=True)
+    for rank, readies in ready_by_rank.items():
+        lines = [json.dumps({"step": step, "step_s": 1.0, "ready_s": ready})
+                 for step, ready in enumerate(readies, start=1)]
+        (folder / "ranks" / f"{rank}.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+rank, behind = straggler(rank_logs(RUNS / "two-ranks", {0: [0.5, 0.1, 0.1, 0.1],
+                                                         1: [0.1, 0.4, 0.4, 0.4]}))
+assert rank == 1 and abs(behind - 0.3) < 1e-9
+### BEGIN HIDDEN TESTS
+rank, behind = straggler(rank_logs(RUNS / "first-step", {0: [9.0, 0.2, 0.2], 1: [0.1, 0.3, 0.3]}))
+assert rank == 1 and abs(behind - 0.1) < 1e-9  # rank 0's slow first step does not count
+rank, behind = straggler(rank_logs(RUNS / "four", {0: [1, 0.1, 0.2, 0.3], 1: [1, 0.2, 0.2, 0.2],
+                                                   2: [1, 0.9, 1.1, 1.0], 3: [1, 0.3, 0.3, 0.3]}))
+assert rank == 2 and abs(behind - (1.0 - 0.2)) < 1e-9  # median of the others' medians 0.2, 0.2, 0.3
+rank, _ = straggler(rank_logs(RUNS / "none-ready", {0: [1, None, 0.5, 0.5], 1: [1, 0.1, None, 0.1]}))
+assert rank == 0
+if (RUNS / "straggler" / "ranks").exists():
+    rank, behind = straggler(RUNS / "straggler")
+    assert rank == 1 and 0.2 < behind < 0.5
+### END HIDDEN TESTS
+
+# %% [markdown]
+# ## 8. A Slurm job that never starts, or dies at once
+#
+# These need a cluster; the commands are the same on every Slurm site. The course's tests submit
+# three of them (a partition that does not exist, more CPUs per node than a node has, an
+# environment that is not there) to a 2-node test cluster and check these messages.
+#
+# | mistake | what you see | first command |
+# |---|---|---|
+# | a partition that does not exist | `sbatch: error: invalid partition specified: gpu-typo`, at once | `sinfo -s` lists the partitions |
+# | more GPUs or CPUs per node than a node has | `sbatch: error: CPU count per node can not be satisfied` (or the GPUs') and `Requested node configuration is not available`, at once | `sinfo -o "%P %G %c %m"` (GPUs, CPUs and memory per node) |
+# | an account or QOS you may not use | `sbatch: error: Invalid account or account/partition combination specified` | `sacctmgr show assoc user=$USER` |
+# | resources that exist but are busy | `squeue --me` says `PD` with reason `Resources` or `Priority` | `squeue --me --start` (estimated start) |
+# | a module or an environment that is not there | the job starts and fails within seconds; its log's first error is the set-up's (`module: ... unable to locate a modulefile`, `.venv-typo/bin/activate: No such file or directory`) | `sacct -j JOBID --format=JobID,State,ExitCode,Elapsed` (FAILED), then the log's first error |
+#
+# A job that fails at once is a job that never trained: read the *first* error in its log, not
+# the last: what follows the first is usually its consequence.
+#
+# ## Key points
+#
+# - Give every job a timeout that turns a hang into an error: `KIT_DIST_TIMEOUT` for
+#   collectives, torchrun's `--rdzv-conf timeout=` for the rendezvous, and the job's own time
+#   limit. A hang with a timeout is a diagnosis; without one, it is a lost allocation.
+# - A hang at the start is the rendezvous (address, port, firewall); a hang after some steps is
+#   a collective that not every rank called. Each rank's stack (the kit's watchdog, `py-spy
+#   dump`, NCCL's flight recorder) says where each one is.
+# - DDP needs a gradient for every parameter: remove or freeze what the loss does not use;
+#   `find_unused_parameters=True` is for models whose unused part changes.
+# - A wrong data split does not fail: compare with the std stage at the same global batch.
+# - Out of memory: predict with `coursekit.memory`; lower the micro-batch with the same global
+#   batch, or checkpoint activations, or shard.
+# - A NaN starts earlier than it shows: look at the gradient norm; then fix the learning rate and
+#   the warm-up, or the loss scaling in fp16.
+# - A straggler makes every rank slow: find it from each rank's time to reach the collective,
+#   not from the step time, which every rank shares.
