@@ -69,6 +69,7 @@ shutil.rmtree(RUNS, ignore_errors=True)
 RUNS.mkdir()
 DATA = KIT_ROOT / "data" / "builtin"
 DDP = stages.script_path("ddp")
+TINY = memory.Model.from_preset(presets.get_preset("tiny"))  # the model's sizes (lesson 04)
 STEPS = 4
 FLAGS = ["--preset", "tiny", "--data", str(DATA), "--max-steps", str(STEPS), "--eval-interval",
          str(STEPS), "--eval-steps", "1", "--ckpt-interval", str(STEPS), "--sample-tokens", "0",
@@ -385,7 +386,6 @@ print(oom.status, "\n" + oom.tail(1))
 # part:
 
 # %% tags=["demo"]
-TINY = memory.Model.from_preset(presets.get_preset("tiny"))
 for micro_batch in (32, 8, 2):
     parts = memory.per_rank_bytes(TINY, "ddp", 2, "fp32", micro_batch, 128)
     print(f"micro-batch {micro_batch:2}: " + ", ".join(f"{part} {value / 1e9:.2f} GB"
