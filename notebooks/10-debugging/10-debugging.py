@@ -59,6 +59,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 from IPython.display import Markdown, display
 
@@ -94,13 +95,16 @@ class Outcome:
         return "\n".join(line[:400] for line in said[-lines:])
 
 
-def job(name, command, env=None, deadline=60, preexec_fn=None):
+def job(name, command, env=None, deadline=60, preexec_fn=None, while_running=None):
     """Run ``command`` as the job ``name`` with a deadline: its Outcome. A job still running at
-    the deadline is killed, with every process it started, and counts as hung."""
+    the deadline is killed, with every process it started, and counts as hung. Once it has
+    started, ``while_running(process)`` may look at it from outside."""
     start = time.monotonic()
     process = subprocess.Popen([str(word) for word in command], stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, env=env or ENV,
                                start_new_session=True, preexec_fn=preexec_fn)
+    if while_running:
+        while_running(process)
     try:
         output, _ = process.communicate(timeout=deadline)
         status = "finished" if process.returncode == 0 else "failed"
@@ -149,6 +153,7 @@ def show_mistake(script):
 
 reference = ddp_job("reference")
 print(f"reference: {reference.status} in {reference.seconds:.0f} s; losses {losses('reference')}")
+assert reference.status == "finished"  # the fixed job of every case that removes its mistake
 
 # %% [markdown]
 # ## 1. A job that hangs before its first step: the rendezvous
@@ -193,9 +198,10 @@ def broken_launch(out):
 
 
 # %% tags=["demo"]
-for node in run_nodes(broken_launch(RUNS / "rendezvous-broken")):
-    print(f"--- {node.name}: {node.status} after {node.seconds:.0f} s\n"
-          f"{node.tail(1)}")
+nodes = run_nodes(broken_launch(RUNS / "rendezvous-broken"))
+for node in nodes:
+    print(f"--- {node.name}: {node.status} after {node.seconds:.0f} s\n{node.tail(1)}")
+assert [node.status for node in nodes] == ["failed", "failed"] and "1/2 clients" in nodes[0].output
 
 # %% [markdown]
 # **Symptom.** Nothing: no step line, no error, until the rendezvous times out (with torchrun's
@@ -240,17 +246,42 @@ assert trains_like("rendezvous-fixed", "reference")
 script = broken("barrier-on-rank-0", "            runs.append_metrics(run_dir, record)\n",
                 "            runs.append_metrics(run_dir, record)\n"
                 "            torch.distributed.barrier()  # until rank 0's line is on disk\n")
-hung = ddp_job("barrier-on-rank-0", script)
+PY_SPY = Path(sys.executable).with_name("py-spy")  # installed with the kit's requirements
+spied = {}
+
+
+def py_spy_every_rank(launcher):
+    """Once the ranks have gone 4 s without a step (the watchdog has written rank 0's stacks),
+    `py-spy dump` each rank's process: its Python stack, read from outside, as on a node."""
+    hung_sign = RUNS / "barrier-on-rank-0" / "ranks" / "0.stacks"
+    deadline = time.monotonic() + 30
+    while not hung_sign.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    for process in psutil.Process(launcher.pid).children(recursive=True):
+        if script.name in " ".join(process.cmdline()):
+            dump = subprocess.run([PY_SPY, "dump", "--pid", str(process.pid)],
+                                  capture_output=True, text=True)
+            frames = [line.strip() for line in dump.stdout.splitlines()
+                      if script.name in line and not line.startswith("Process")]
+            spied[process.environ()["RANK"]] = frames or [dump.stderr.strip()[:300]]
+
+
+hung = ddp_job("barrier-on-rank-0", script, while_running=py_spy_every_rank)
 print(f"{hung.status} after {hung.seconds:.0f} s\n{hung.tail(4)}")
+for rank, frames in sorted(spied.items()):
+    print(f"py-spy dump, rank {rank}:", *frames, sep="\n  ")
+assert hung.status == "failed" and "barrier at barrier-on-rank-0.py" in hung.output
 
 # %% [markdown]
 # **Symptom.** One step line, then nothing; with the kit, each rank's collective gives up after
 # `KIT_DIST_TIMEOUT` seconds and names itself. Without a timeout (NCCL's default is 10 minutes,
 # some codes set hours) the job sits at 100% of its GPUs until the time limit.
 #
-# **Diagnosis.** Where is each rank? Before the timeout, each rank's watchdog wrote the stacks of
-# its threads to `ranks/<rank>.stacks` (here after `KIT_WATCHDOG`=4 s with no step). The main
-# thread's frames in the script say it:
+# **Diagnosis.** Where is each rank? `py-spy dump --pid PID` prints a running Python process's
+# stack from outside it (with `--native`, the C++ frames too): above, once the job had hung, for
+# each rank's process (on a node: `pgrep -f train_gpt2`). Inside the job, each rank's watchdog
+# wrote the stacks of its threads to `ranks/<rank>.stacks` before the timeout (here after
+# `KIT_WATCHDOG`=4 s with no step). The main thread's frames in the script:
 
 # %% tags=["demo"]
 def script_frames(stacks, script_name):
@@ -269,9 +300,7 @@ for rank in (0, 1):
 # steps synchronise too. Two ranks in two different collectives: the mismatch. **The fix.** No
 # collective in a branch that only some ranks take (here: no barrier; a file write needs none).
 #
-# Other tools show the same from outside the process. `py-spy dump --pid PID` prints a running
-# Python process's stack, native frames with `--native`, for every rank's PID (`pgrep -f
-# train_gpt2`); on GPUs, NCCL's **flight recorder** (`TORCH_NCCL_TRACE_BUFFER_SIZE=2000`, dumped
+# On GPUs, NCCL's **flight recorder** (`TORCH_NCCL_TRACE_BUFFER_SIZE=2000`, dumped
 # on a timeout) records each rank's last collectives, and
 # `python -m torch.distributed.flight_recorder.fr_trace` compares them across ranks. When the
 # ranks call collectives of different sizes, gloo does not hang but aborts: `Received data size
@@ -294,6 +323,7 @@ script = broken("unused-head", "    ddp_model = DDP(model)\n",
 show_mistake(script)
 unused = ddp_job("unused-head", script, env={**ENV, "TORCH_DISTRIBUTED_DEBUG": "INFO"})
 print(unused.status, "\n" + unused.tail(3, saying=r"\[rank0\]: (RuntimeError|Parameter)"))
+assert unused.status == "failed" and "value_head.bias, value_head.weight" in unused.output
 
 # %% [markdown]
 # **Symptom.** The second step fails on every rank: `Expected to have finished reduction in the
@@ -316,8 +346,9 @@ def median_step_ms(name):
 
 
 print(f"find_unused_parameters: {found.status}, trains like the reference: "
-      f"{trains_like('find-unused', 'reference')}; median step {median_step_ms('find-unused'):.0f} ms "
-      f"against {median_step_ms('reference'):.0f} ms")
+      f"{trains_like('find-unused', 'reference')}; median step "
+      f"{median_step_ms('find-unused'):.0f} ms against {median_step_ms('reference'):.0f} ms")
+assert found.status == "finished" and trains_like("find-unused", "reference")
 
 # %% [markdown]
 # It trains the same, and here costs little: the tiny model's graph has a few hundred nodes. At
@@ -336,6 +367,7 @@ script = broken("same-data", 'TokenShardLoader(args.data, "train", B, T, rank, w
 same = ddp_job("same-data", script)
 print(f"{same.status}; losses {[round(x, 4) for x in losses('same-data')]}")
 print(f"reference:    {[round(x, 4) for x in losses('reference')]}")
+assert same.status == "finished" and not trains_like("same-data", "reference")
 
 # %% [markdown]
 # **Symptom.** None that stops the job: the loss goes down, only more slowly than it should, and a
@@ -351,6 +383,7 @@ std = job("std-one-share", [sys.executable, stages.script_path("std"), *FLAGS, "
 print(f"std at one rank's share of the batch ({micro} tokens): same losses as the broken job: "
       f"{trains_like('same-data', 'std-one-share')}; as the reference: "
       f"{trains_like('same-data', 'reference')}")
+assert trains_like("same-data", "std-one-share")
 
 # %% [markdown]
 # **The fix.** Give the loader the rank and the world size (or a `DistributedSampler` to a
@@ -377,6 +410,7 @@ def limit_memory():
 
 oom = ddp_job("oom", DDP, *BIG, "--max-steps", "2", preexec_fn=limit_memory)
 print(oom.status, "\n" + oom.tail(1))
+assert oom.status == "failed" and "out of memory allocating" in oom.output
 
 # %% [markdown]
 # **Symptom.** The kit's one line: how much could not be allocated, on which rank and where, and
@@ -436,6 +470,7 @@ fixed = ddp_job("oom-fixed", DDP, *BIG[2:], "--micro-batch", str(fits), "--max-s
 unlimited = ddp_job("unlimited", DDP, *BIG, "--max-steps", "2")
 print(f"micro-batch {fits} under {LIMIT / 1e9:.0f} GB: {fixed.status}; micro-batch 32 without "
       f"the limit: {unlimited.status}; the same training: {trains_like('oom-fixed', 'unlimited')}")
+assert fixed.status == "finished" and trains_like("oom-fixed", "unlimited")
 
 # %% [markdown]
 # ## 6. A loss that becomes NaN
@@ -448,6 +483,7 @@ print(f"micro-batch {fits} under {LIMIT / 1e9:.0f} GB: {fixed.status}; micro-bat
 nan = ddp_job("nan", DDP, "--lr", "1000", "--warmup-steps", "0", "--ckpt-interval", "1")
 print(nan.status, "\n" + nan.tail(1))
 print("grad_norm per step:", [r["grad_norm"] for r in runs.read_metrics(RUNS / "nan")])
+assert nan.status == "failed" and "the weights are lost from this step on" in nan.output
 
 # %% [markdown]
 # **Diagnosis.** The gradient norms the run logged: where they leave their usual range is where it
@@ -539,6 +575,7 @@ for rank in (0, 1):
                (RUNS / "straggler" / "ranks" / f"{rank}.jsonl").read_text().splitlines()]
     print(f"rank {rank}: step_s {[round(r['step_s'], 2) for r in records]}\n"
           f"        ready_s {[round(r['ready_s'], 2) for r in records]}")
+assert slow.status == "finished"  # only slower
 
 # %% [markdown]
 # **Symptom.** Slow steps, and a low MFU on every rank. **Diagnosis.** Each rank's record of its
