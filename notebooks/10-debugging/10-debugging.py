@@ -351,10 +351,11 @@ print(f"find_unused_parameters: {found.status}, trains like the reference: "
 assert found.status == "finished" and trains_like("find-unused", "reference")
 
 # %% [markdown]
-# It trains the same, and here costs little: the tiny model's graph has a few hundred nodes. At
-# GPT-2's size the walk costs a few per cent of each step, and DDP can no longer start an
-# all-reduce before backward has finished with every bucket: keep it for models whose unused part
-# changes from step to step.
+# It trains the same. What the walk costs grows with the graph: on the tiny model, over three
+# steps, the difference between the two medians is mostly what else the machine was doing; on
+# a large model it is a traversal of the whole graph in every step, which PyTorch's documentation
+# warns about. Keep it for models whose unused part changes from step to step; a part that never
+# gets a gradient is removed or frozen.
 #
 # ## 4. Every rank reads the same data
 #
