@@ -51,7 +51,7 @@ class StepWatch:
 
     def __init__(self, run_dir, rank, model):
         self.folder = Path(run_dir) / "ranks"
-        self.folder.mkdir(exist_ok=True)
+        self.folder.mkdir(parents=True, exist_ok=True)
         self.rank, self.last_step = rank, None
         self.forward_end = self.last_progress = time.perf_counter()
         model.register_forward_hook(self.forward_ended)

@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.warnings import PossibleUserWarning
 from torch.utils.data import DataLoader, TensorDataset
 
 from coursekit import KitError, faults, perf, presets, runs, tracking, training
+from coursekit.watchdog import StepWatch
 from coursekit.cli import positive_int
 from solutions import train_gpt2_ddp as ddp
 from solutions.gpt import GPT, GPTConfig, cross_entropy
@@ -132,6 +133,7 @@ class LitGPT(L.LightningModule):
 
     def on_train_start(self):
         self.first_step = self.global_step + 1  # of this run: with --compile, it compiles
+        self.watch = StepWatch(self.run_dir, self.global_rank, self.gpt)  # each rank's steps
         if self.trainer.is_global_zero:  # after a resume, global_step is the checkpoint's step
             runs.start_run(self.run_dir, self.run_config, self.global_step)
             self.tracker = tracking.tracker_for(self.logger, self.run_dir,
@@ -156,6 +158,7 @@ class LitGPT(L.LightningModule):
             return
         loss = self.trainer.strategy.reduce(self.loss_sum, reduce_op="mean").item()
         dt = time.perf_counter() - self.t0
+        self.watch.step_done(self.global_step, self.t0)
         tokens_per_s = self.args.batch_tokens / dt
         per_device = tokens_per_s / self.trainer.world_size
         if self.grad_norm is None:  # DeepSpeed's, of the step it took

@@ -40,6 +40,9 @@ def test_two_devices_follow_std_at_the_same_global_batch(two_device_run, std_met
     config = runs.read_json(out / "config.json")
     assert (config["stage"], config["world_size"], config["grad_accum"]) == ("lit", 2, 1)
     metrics = runs.read_metrics(out)
+    for rank in (0, 1):  # each rank's own step records (coursekit.watchdog)
+        records = (out / "ranks" / f"{rank}.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in records] == list(range(1, 21))
     assert [r["step"] for r in metrics] == list(range(1, 21))
     for lit, std in zip(metrics, std_metrics, strict=True):
         assert lit["loss"] == pytest.approx(std["loss"], abs=1e-4)

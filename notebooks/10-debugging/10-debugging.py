@@ -183,7 +183,8 @@ def run_nodes(commands, deadline=40):
         begin, outcomes = time.monotonic(), []
         for rank, process in enumerate(started):
             try:
-                output, _ = process.communicate(timeout=max(1, deadline - (time.monotonic() - begin)))
+                left = max(1, deadline - (time.monotonic() - begin))
+                output, _ = process.communicate(timeout=left)
                 status = "finished" if process.returncode == 0 else "failed"
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
@@ -428,9 +429,9 @@ for micro_batch in (32, 8, 2):
 
 # %% [markdown]
 # **The fix.** What keeps the training the same: a smaller micro-batch with the same
-# `--batch-tokens`, which the stage makes up with gradient accumulation (lesson 01). Others: activation checkpointing
-# (fsdp, tp, pp: `--activation-checkpointing`) trades memory for a second forward pass; FSDP
-# shards parameters, gradients and optimiser state (lesson 04).
+# `--batch-tokens`, which the stage makes up with gradient accumulation (lesson 01). Others:
+# activation checkpointing (fsdp, tp, pp: `--activation-checkpointing`) trades memory for a
+# second forward pass; FSDP shards parameters, gradients and optimiser state (lesson 04).
 #
 # **Exercise 2: what fits.** Write `largest_micro_batch(budget_bytes, micro_batches)`: the largest
 # of `micro_batches` whose predicted peak on one of 2 ddp ranks (`memory.per_rank_bytes(TINY,
@@ -583,9 +584,10 @@ assert slow.status == "finished"  # only slower
 # own steps, `ranks/<rank>.jsonl`: `step_s` is the same on both ranks (they wait for each other),
 # but `ready_s`, the time a rank takes to reach the gradient all-reduce, is 0.3 s longer on rank
 # 1 at every step but the second (there DDP rebuilds its buckets once, in forward, and rank 0
-# waits for rank 1 to do the same). On GPUs the same shows in a profiler's trace (lesson 01): the fast ranks'
-# all-reduce kernels start early and last long, waiting. **The fix.** It depends on the cause: move
-# the data to a faster file system, exclude the node (`--exclude`), give the job whole nodes.
+# waits for rank 1 to do the same). On GPUs the same shows in a profiler's trace (lesson 06): the
+# fast ranks' all-reduce kernels start early and last long, waiting. **The fix.** It depends on
+# the cause: move the data to a faster file system, exclude the node (`--exclude`), give the job
+# whole nodes.
 #
 # **Exercise 4: which rank.** Write `straggler(run_dir)`: the rank whose median `ready_s` in
 # `run_dir/ranks/<rank>.jsonl` is the largest, and by how many seconds its median exceeds the
@@ -626,7 +628,8 @@ assert rank == 1 and abs(behind - 0.1) < 1e-9  # rank 0's slow first step does n
 rank, behind = straggler(rank_logs(RUNS / "four", {0: [1, 0.1, 0.2, 0.3], 1: [1, 0.2, 0.2, 0.2],
                                                    2: [1, 0.9, 1.1, 1.0], 3: [1, 0.3, 0.3, 0.3]}))
 assert rank == 2 and abs(behind - (1.0 - 0.2)) < 1e-9  # median of the others' medians 0.2, 0.2, 0.3
-rank, _ = straggler(rank_logs(RUNS / "none-ready", {0: [1, None, 0.5, 0.5], 1: [1, 0.1, None, 0.1]}))
+rank, _ = straggler(rank_logs(RUNS / "none-ready", {0: [1, None, 0.5, 0.5],
+                                                     1: [1, 0.1, None, 0.1]}))
 assert rank == 0
 if (RUNS / "straggler" / "ranks").exists():
     rank, behind = straggler(RUNS / "straggler")
