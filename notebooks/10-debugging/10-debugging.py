@@ -75,9 +75,9 @@ STEPS = 4
 FLAGS = ["--preset", "tiny", "--data", str(DATA), "--max-steps", str(STEPS), "--eval-interval",
          str(STEPS), "--eval-steps", "1", "--ckpt-interval", str(STEPS), "--sample-tokens", "0",
          "--device", "cpu"]
-# One thread a process (as torchrun gives them); collectives that give up after 10 s instead of
+# One thread a process (as torchrun gives them); collectives that give up after 8 s instead of
 # 600, and a watchdog that writes each rank's stacks after 4 s without a step instead of 300
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "KIT_DIST_TIMEOUT": "10", "KIT_WATCHDOG": "4"}
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "KIT_DIST_TIMEOUT": "8", "KIT_WATCHDOG": "4"}
 
 
 @dataclass
@@ -163,14 +163,14 @@ assert reference.status == "finished"  # the fixed job of every case that remove
 # connect, and only when all have arrived does training start. A batch file that lets each node
 # choose its own port (here `launch.free_port()`, run once per node instead of once for the job)
 # sends the second node to a port where nobody listens. Two `torchrun`s on this machine, as node 0
-# and node 1, show it; `--rdzv-conf timeout=10` makes them give up after 10 s instead of
+# and node 1, show it; `--rdzv-conf timeout=6` makes them give up after 6 s instead of
 # torchrun's default of 15 minutes, and `LOGLEVEL=INFO` makes them say what they wait for.
 
 # %%
 def node_command(node_rank, master_port, out):
     """torchrun on node ``node_rank`` of 2, one process each, meeting at 127.0.0.1:master_port."""
     return [*launch.torchrun(1, nodes=2, master_port=master_port), "--node-rank", node_rank,
-            "--rdzv-conf", "timeout=10", DDP, *FLAGS, "--out", out]
+            "--rdzv-conf", "timeout=6", DDP, *FLAGS, "--out", out]
 
 
 def run_nodes(commands, deadline=40):
@@ -410,7 +410,7 @@ def limit_memory():
     resource.setrlimit(resource.RLIMIT_AS, (LIMIT, LIMIT))
 
 
-oom = ddp_job("oom", DDP, *BIG, "--max-steps", "2", preexec_fn=limit_memory)
+oom = ddp_job("oom", DDP, *BIG, "--max-steps", "1", preexec_fn=limit_memory)
 print(oom.status, "\n" + oom.tail(1))
 assert oom.status == "failed" and "out of memory allocating" in oom.output
 
@@ -463,16 +463,20 @@ assert largest_micro_batch(predicted(16), [1, 16, 4]) == 16
 # %% [markdown]
 # The fixed job, under the same limit, at the micro-batch that fits a budget of 1 GB (the limit
 # less what a process holds besides training: more than a gigabyte of libraries and buffers
-# here), against the same job without the limit at micro-batch 32:
+# here), against the same job without the limit at micro-batch 32, one step each. The same
+# loss and the same gradient norm mean the same gradient, so the same training:
 
 # %% tags=["demo"]
 fits = largest_micro_batch(10**9)
-fixed = ddp_job("oom-fixed", DDP, *BIG[2:], "--micro-batch", str(fits), "--max-steps", "2",
+fixed = ddp_job("oom-fixed", DDP, *BIG[2:], "--micro-batch", str(fits), "--max-steps", "1",
                 preexec_fn=limit_memory)
-unlimited = ddp_job("unlimited", DDP, *BIG, "--max-steps", "2")
+unlimited = ddp_job("unlimited", DDP, *BIG, "--max-steps", "1")
+first = {name: runs.read_metrics(RUNS / name)[0] for name in ("oom-fixed", "unlimited")}
+same_gradient = all(abs(first["oom-fixed"][key] - first["unlimited"][key]) < 1e-4
+                    for key in ("loss", "grad_norm"))
 print(f"micro-batch {fits} under {LIMIT / 1e9:.0f} GB: {fixed.status}; micro-batch 32 without "
-      f"the limit: {unlimited.status}; the same training: {trains_like('oom-fixed', 'unlimited')}")
-assert fixed.status == "finished" and trains_like("oom-fixed", "unlimited")
+      f"the limit: {unlimited.status}; the same loss and gradient norm: {same_gradient}")
+assert fixed.status == "finished" and same_gradient
 
 # %% [markdown]
 # ## 6. A loss that becomes NaN
