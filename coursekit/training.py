@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from coursekit import KitError, data, distributed, perf, presets, runs, tracking
 from coursekit.cli import ArgumentParser, non_negative_float, positive_float, positive_int
@@ -165,6 +164,17 @@ def device_precision(device):
     return hardware_precision("cuda", capability=torch.cuda.get_device_capability(device))
 
 
+def grad_scaler(precision, device):
+    """A GradScaler that scales fp16 losses and does nothing otherwise; the sharded kind for fp16
+    across processes."""
+    if precision == "fp16" and dist.is_initialized():
+        # Imported here: it loads torch.distributed.tensor, half a second of every process's start
+        # (every rank's, every run's) that only fp16 across processes needs.
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        return ShardedGradScaler(device.type)
+    return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+
 class Precision:
     """How a stage computes on its device, by name:
 
@@ -184,8 +194,7 @@ class Precision:
         self.dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(name)
         self.autocast = (torch.autocast(device_type=device.type, dtype=self.dtype)
                          if self.dtype else nullcontext())
-        scaler = ShardedGradScaler if dist.is_initialized() else torch.amp.GradScaler
-        self.scaler = scaler(device.type, enabled=name == "fp16")
+        self.scaler = grad_scaler(name, device)
 
     def in_autocast(self, forward):
         """``forward``, run in autocast: for code whose backward runs elsewhere (a pipeline
