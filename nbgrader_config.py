@@ -7,7 +7,7 @@
 import os
 from pathlib import Path
 
-from coursekit import grading
+from coursekit import course, grading
 
 c = get_config()  # noqa: F821 (provided by nbgrader when it loads this file)
 
@@ -41,7 +41,14 @@ c.Execute.kernel_name = grading.GRADING_KERNEL
 # A submission in the exchange that belongs to another user than the trainee it names is refused
 # (nbgrader only warns): one trainee cannot hand in work as another.
 c.ExchangeFactory.collect = grading.OwnerCheckedCollect
+# ...and the feedback it releases can be read by the trainee it is for (its copy of a private file
+# would be private too).
+c.ExchangeFactory.release_feedback = grading.ReadableFeedbackRelease
 # Autograde runs only what grading needs: cells tagged "demo" (training runs, launches, plots of
 # runs) are not executed, and no graded cell may carry that tag (the kit's sanitising step).
 c.Execute.skip_cells_with_tag = grading.DEMO_TAG
 c.Autograde.sanitize_preprocessors = grading.sanitize_preprocessors()
+# Feedback, which trainees read, shows no hidden test.
+c.GenerateFeedback.preprocessors = grading.feedback_preprocessors()
+# The class's course id and exchange (release, fetch, submit, collect), from course.toml.
+course.configure(c, Path(__file__).parent)

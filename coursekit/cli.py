@@ -7,6 +7,9 @@
     images prepare --out DIR [--source FOLDER --size S]   lesson 08's images, as files and shards
     presets                                    the model and batch sizes of each preset
     assignments [--root DIR]                   nbgrader student versions of every lesson
+    exchange create PATH --group G             nbgrader's exchange for a class, on project space
+    autograde LESSON [--root DIR]              grade the submissions; a line for each that fails
+    grades LESSON [--root DIR --plot PNG]      who handed in, scores per exercise, class means
     book [--edition reader|instructor]         execute the lessons and build an edition of the book
     diffs build | check                        write / verify diffs/*.patch from solutions/
     diffs start | status --lesson L [--stage S --file F]   a lesson's working copy, hunk by hunk
@@ -137,6 +140,25 @@ def build_parser():
 
     assignments = commands.add_parser("assignments", help="nbgrader student versions of the lessons")
     assignments.add_argument("--root", default=None, help="course root (default: the kit's checkout)")
+
+    exchange = commands.add_parser("exchange", help="nbgrader's exchange for a class, made once "
+                                   "on shared project space")
+    exchange.add_argument("action", choices=["create"])
+    exchange.add_argument("path", help="the exchange folder to make (course.toml's exchange); "
+                                       "its parent is the gate, closed to others")
+    exchange.add_argument("--group", required=True,
+                          help="the course's Unix group: you and every trainee")
+
+    for name, purpose in (("autograde", "nbgrader autograde of a lesson's submissions, a line "
+                                        "for each it could not grade, then the class summary"),
+                          ("grades", "a lesson's class summary: who handed in, the scores of "
+                                     "each exercise, the class's mean")):
+        grading_cmd = commands.add_parser(name, help=purpose)
+        grading_cmd.add_argument("lesson", help="the assignment, e.g. 01-single-gpu-gpt")
+        grading_cmd.add_argument("--root", default=".",
+                                 help="course root (default: this folder, as for nbgrader)")
+        grading_cmd.add_argument("--plot", help="also draw the class's mean per exercise, as a "
+                                                "PNG, into this file")
 
     book_cmd = commands.add_parser("book", help="execute the lessons and build the book")
     book_cmd.add_argument("--edition", choices=["reader", "instructor"], default="reader",
@@ -341,6 +363,47 @@ def run_assignments(args):
     print(f"student versions of {len(names)} lessons in {release}: {', '.join(names)}")
 
 
+def run_exchange(args):
+    from coursekit import course
+    path = course.create_exchange(args.path, args.group)
+    print(f"exchange {path}, behind {path.parent} (group {args.group}, mode "
+          f"{course.GATE_MODE:o}): set exchange = \"{path}\" and the course's id in course.toml")
+
+
+def graded_lesson(args):
+    """(course root, lesson) of a grading command; a lesson the course lacks is a KitError."""
+    from coursekit import grading
+    root = Path(args.root).absolute()
+    lessons = grading.lessons(root) if (root / "notebooks").is_dir() else []
+    if args.lesson not in lessons:
+        raise KitError(f"{args.lesson!r} is not a lesson of the course in {root}: choose from "
+                       f"{', '.join(lessons) or '(none: give the course root with --root)'}")
+    if not (root / "release" / args.lesson).is_dir():
+        raise KitError(f"{root / 'release' / args.lesson} does not exist: generate the student "
+                       "versions first (make assignments)")
+    return root, args.lesson
+
+
+def run_autograde(args):
+    from coursekit import grading
+    root, lesson = graded_lesson(args)
+    failed = grading.autograde_class(root, lesson)
+    for trainee, error in sorted(failed.items()):
+        print(f"error: {trainee}'s {lesson} was not graded: {error}", file=sys.stderr)
+    run_grades(args)
+    return 1 if failed else 0
+
+
+def run_grades(args):
+    from coursekit import grading
+    root, lesson = graded_lesson(args)
+    exercises, rows = grading.class_summary(root, lesson)
+    print(grading.summary_table(lesson, exercises, rows))
+    if args.plot:
+        grading.plot_means(lesson, exercises, rows, args.plot)
+        print(f"the class's mean per exercise: {args.plot}")
+
+
 def run_book(args):
     from coursekit import book
     html = book.build(args.edition)
@@ -447,7 +510,8 @@ COMMANDS = {"envcheck": run_envcheck, "tokenizer": run_tokenizer, "data": run_da
             "verify-data": run_verify_data, "registry": run_registry, "free-port": run_free_port,
             "mlflow-server": run_mlflow_server, "trainee-kit": run_trainee_kit,
             "selftest": run_selftest, "images": run_images, "ray-node": run_ray_node,
-            "ray-nodes": run_ray_nodes, "rag": run_rag}
+            "ray-nodes": run_ray_nodes, "rag": run_rag, "exchange": run_exchange,
+            "autograde": run_autograde, "grades": run_grades}
 
 
 def main(argv=None):

@@ -13,13 +13,14 @@ gradebook, no other submission and none of the grader's files (coursekit/sandbox
 """
 import os
 import pwd
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from nbgrader.exchange.default import ExchangeCollect
-from nbgrader.preprocessors import NbGraderPreprocessor
+from nbgrader.exchange.default import ExchangeCollect, ExchangeReleaseFeedback
+from nbgrader.preprocessors import ClearHiddenTests, NbGraderPreprocessor
 
 from coursekit import KitError, diffs, stages
 from coursekit.diffs import WORKING_COPIES
@@ -54,19 +55,67 @@ class GradedCellsRun(NbGraderPreprocessor):
 class OwnerCheckedCollect(ExchangeCollect):
     """nbgrader's collect, except that a submission whose folder in the exchange belongs to
     another user than the trainee it names is an error, where nbgrader's own only warns: it is
-    not collected, the others are, and the command fails naming it (nbgrader_config.py).
-    (``fail`` logs the message and raises nbgrader's ExchangeError.)"""
+    not collected, even when it is the latest under that name (the trainee's own latest is), and
+    once the others are collected the command fails naming it (nbgrader_config.py). (``fail``
+    logs the message and raises nbgrader's ExchangeError.)"""
+
+    def init_src(self):
+        self.forged = []
+        super().init_src()
+
+    def _path_to_record(self, path):
+        record = super()._path_to_record(path)
+        record["owner"] = owner_name(Path(path))
+        if record["owner"] != record["username"]:
+            self.forged.append(record)
+        return record
+
+    def _sort_by_timestamp(self, records):
+        # nbgrader collects the first of each trainee's submissions in this order: their own
+        # latest, never a later one that someone else handed in under their name
+        return sorted(records, key=lambda record: (record["owner"] == record["username"],
+                                                   record["timestamp"]), reverse=True)
 
     def copy_files(self):
-        forged = {record["filename"]: owner for record in self.src_records
-                  if (owner := owner_name(Path(self.inbound_path) / record["filename"]))
-                  != record["username"]}
         self.src_records = [record for record in self.src_records
-                            if record["filename"] not in forged]
+                            if record["owner"] == record["username"]]
         super().copy_files()
-        if forged:
+        if self.forged:
             self.fail("not collected, as each names a trainee who does not own it: " +
-                      ", ".join(f"{name} (owned by {owner})" for name, owner in forged.items()))
+                      ", ".join(f"{record['filename']} (owned by {record['owner']})"
+                                for record in self.forged))
+
+
+class ReadableFeedbackRelease(ExchangeReleaseFeedback):
+    """nbgrader's release_feedback, except that the released files can be read by the trainees
+    they are for: nbgrader copies them with the mode of the instructor's own feedback files,
+    private (nbgrader_config.py), and so trainees could not fetch them. What keeps each from the
+    other trainees is its name, a hash of its submission's secret, in a folder nobody can list."""
+
+    def copy_files(self):
+        super().copy_files()
+        for released in Path(self.dest_path).glob("*.html"):
+            released.chmod(0o644)
+
+
+class FeedbackWithoutHiddenTests(ClearHiddenTests):
+    """Feedback shows each test cell as trainees got it: the hidden tests removed from its source
+    and, where a test failed, the error's last line alone (its traceback quotes the failing line,
+    which may be a hidden one). Hidden tests stay hidden after the course too, for the next."""
+
+    def preprocess_cell(self, cell, resources, index):
+        cell, resources = super().preprocess_cell(cell, resources, index)
+        for output in cell.get("outputs", []):
+            if output.output_type == "error":
+                output.traceback = [f"{output.ename}: {output.evalue}"]
+        return cell, resources
+
+
+def feedback_preprocessors():
+    """nbgrader's feedback steps, after `FeedbackWithoutHiddenTests`."""
+    from nbgrader.converters import GenerateFeedback
+    return [FeedbackWithoutHiddenTests,
+            *GenerateFeedback.class_traits()["preprocessors"].default()]
 
 
 def owner_name(path):
@@ -83,15 +132,35 @@ def sanitize_preprocessors():
     return [*Autograde.class_traits()["sanitize_preprocessors"].default(), GradedCellsRun]
 
 
-def nbgrader(root, *args):
-    """Run an nbgrader command in the course root; a failure is a KitError with nbgrader's log."""
+def nbgrader(root, *args, check=True):
+    """Run an nbgrader command in the course root; a failure is a KitError with nbgrader's log
+    (unless ``check`` is false)."""
     # nbgrader runs the `alembic` command of its own environment to create the gradebook
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     result = subprocess.run([sys.executable, "-m", "nbgrader", *args], cwd=root, env=env,
                             capture_output=True, text=True)
-    if result.returncode != 0:
+    if check and result.returncode != 0:
         raise KitError(f"nbgrader {' '.join(args)} failed:\n{result.stdout}{result.stderr}")
     return result
+
+
+#: How nbgrader logs a submission it could not grade: the submission's folder, then, as the next
+#: log line, the error's traceback (up to the line after).
+NOT_GRADED = re.compile(r"There was an error processing assignment: (?P<folder>\S+)\n"
+                        r"\[\w+ \| ERROR\] Traceback \(most recent call last\):\n"
+                        r"(?P<traceback>.*?)(?=^\[|\Z)", re.DOTALL | re.MULTILINE)
+
+
+def autograde_class(root, lesson):
+    """`nbgrader autograde` of every submission of ``lesson`` in root/submitted/ not graded yet.
+    nbgrader grades the others when one fails (a graded cell renamed or deleted, say): {trainee:
+    nbgrader's own error, its last line} of those it could not grade."""
+    result = nbgrader(root, "autograde", lesson, check=False)
+    failed = {Path(found["folder"]).parent.name: found["traceback"].strip().splitlines()[-1].strip()
+              for found in NOT_GRADED.finditer(result.stderr)}
+    if result.returncode != 0 and not failed:
+        raise KitError(f"nbgrader autograde {lesson} failed:\n{result.stderr[-3000:]}")
+    return failed
 
 
 def generate(root):
@@ -156,3 +225,101 @@ def autograde(root, lesson, submissions):
         return {student: {grade.name: (grade.score, grade.max_score) for grade in
                           gradebook.find_submission_notebook(lesson, lesson, student).grades}
                 for student in submissions}
+
+
+def gradebook_url(root):
+    return f"sqlite:///{Path(root).resolve()}/gradebook.db"
+
+
+def graded_cells(notebook_path):
+    """(grade id, points) of each graded cell of a notebook, in the notebook's order."""
+    import nbformat
+
+    notebook = nbformat.read(notebook_path, as_version=4)
+    return [(meta["grade_id"], meta.get("points", 0)) for meta in
+            (cell.metadata.get("nbgrader", {}) for cell in notebook.cells) if meta.get("grade")]
+
+
+def class_summary(root, lesson):
+    """Who handed in ``lesson`` and what each scored, from the gradebook in ``root``:
+    (exercises, rows): exercises are (grade id, points) in the released notebook's order; rows
+    are (trainee, status, {grade id: score}) for every trainee of the gradebook (its roster:
+    `nbgrader db student import`, and everyone autograded), where status is "on time",
+    "late by H:MM:SS" (after the assignment's due date and any extension), "missing" (no
+    submission), or "not graded" (handed in, but autograde failed: see its log)."""
+    from datetime import timedelta
+
+    from nbgrader.api import Gradebook, MissingEntry
+
+    exercises = graded_cells(Path(root) / "release" / lesson / f"{lesson}.ipynb")
+    rows = []
+    with Gradebook(gradebook_url(root)) as gradebook:
+        for student in sorted(gradebook.students, key=lambda student: student.id):
+            handed_in = (Path(root) / "submitted" / student.id / lesson).is_dir()
+            graded = (Path(root) / "autograded" / student.id / lesson).is_dir()
+            if not graded:
+                rows.append((student.id, "not graded" if handed_in else "missing", {}))
+                continue
+            try:
+                submission = gradebook.find_submission(lesson, student.id)
+            except MissingEntry:  # graded, then removed from the gradebook
+                rows.append((student.id, "missing", {}))
+                continue
+            late = submission.total_seconds_late
+            status = f"late by {timedelta(seconds=round(late))}" if late > 0 else "on time"
+            rows.append((student.id, status, {grade.name: grade.score for notebook in
+                                              submission.notebooks for grade in notebook.grades}))
+    return exercises, rows
+
+
+def exercise_means(exercises, rows):
+    """{grade id: the class's mean fraction of its points}, over the graded submissions."""
+    graded = [scores for _, _, scores in rows if scores]
+    return {name: sum(scores.get(name, 0) for scores in graded) / (points * len(graded))
+            for name, points in exercises if graded and points}
+
+
+def summary_table(lesson, exercises, rows):
+    """The class summary as text: a line per trainee, the mean per exercise, and the exercises to
+    teach again (lowest mean first)."""
+    means = exercise_means(exercises, rows)
+    late = sum(status.startswith("late") for _, status, _ in rows)
+    counts = {status: sum(row[1] == status for row in rows) for status in ("missing", "not graded")}
+    lines = [f"{lesson}: {len(rows)} trainees, {sum(bool(s) for _, _, s in rows)} graded "
+             f"({late} late), {counts['missing']} missing, {counts['not graded']} not graded",
+             "exercises: " + ", ".join(f"{number} {name} ({points} points)" for number, (name, points)
+                                       in enumerate(exercises, 1))]
+    width = max([len("trainee"), *(len(name) for name, _, _ in rows)])
+    numbers = "".join(f"{number:>6}" for number in range(1, len(exercises) + 1))
+    lines.append(f"{'trainee':<{width}}  {'handed in':<16}{numbers}   total")
+    total_points = sum(points for _, points in exercises)
+    for name, status, scores in rows:
+        cells = "".join(f"{scores[grade_id]:>6g}" if grade_id in scores else f"{'-':>6}"
+                        for grade_id, _ in exercises)
+        total = f"{sum(scores.values()):g}/{total_points}" if scores else "-"
+        lines.append(f"{name:<{width}}  {status:<16}{cells}   {total}")
+    lines.append(f"{'mean':<{width}}  {'':<16}" + "".join(
+        f"{means[grade_id]:>6.0%}" if grade_id in means else f"{'-':>6}"
+        for grade_id, _ in exercises))
+    weakest = sorted(means.items(), key=lambda item: item[1])
+    lines.append("teach again first: " + (", ".join(f"{name} ({mean:.0%})" for name, mean in
+                                                    weakest if mean < 1) or "none"))
+    return "\n".join(lines)
+
+
+def plot_means(lesson, exercises, rows, path):
+    """A bar for each exercise: the class's mean fraction of its points, into the PNG ``path``."""
+    import matplotlib
+    matplotlib.use("Agg")  # a file, on a login node without a display
+    import matplotlib.pyplot as plt
+
+    means = exercise_means(exercises, rows)
+    names = [name for name, _ in exercises if name in means]
+    figure, axes = plt.subplots(figsize=(7, 0.4 * len(names) + 1.2))
+    axes.barh(names[::-1], [means[name] for name in names[::-1]])
+    axes.set_xlim(0, 1)
+    axes.set_xlabel("the class's mean share of the points")
+    axes.set_title(f"{lesson}: {sum(bool(scores) for _, _, scores in rows)} graded submissions")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

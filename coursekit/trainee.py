@@ -6,7 +6,8 @@ The instructor's checkout holds each lesson's source notebook and its jupytext `
 with every exercise's solution and hidden tests, and the tests that grade them. The trainee kit
 is the checkout's tracked files without those: each `notebooks/<lesson>/` is the student version
 nbgrader generates (the lesson's other files, such as its demo scripts, come with it); `tests/`,
-the book's sources (the reader's book is published) and nbgrader's configuration stay out.
+the book's sources (the reader's book is published) and the instructor's nbgrader configuration
+stay out. Its nbgrader_config.py is the trainees' own: the class's exchange, from course.toml.
 
 Before it writes anything it checks every file it would ship for the lines of the answers: the
 lines inside a solution or hidden-test block that appear nowhere else in the lesson nor in the
@@ -23,6 +24,8 @@ from coursekit import KitError, grading
 
 #: Tracked paths that stay with the instructor.
 INSTRUCTOR_ONLY = ("tests/", "book/", ".ci/", "nbgrader_config.py")
+#: The trainees' nbgrader configuration (the exchange of course.toml), the kit's nbgrader_config.py.
+TRAINEE_NBGRADER_CONFIG = Path(__file__).with_name("jupyter") / "trainee_nbgrader_config.py"
 BLOCKS = {"### BEGIN SOLUTION": True, "### BEGIN HIDDEN TESTS": True,
           "### END SOLUTION": False, "### END HIDDEN TESTS": False}
 
@@ -98,4 +101,5 @@ def build(out, root):
             shutil.copy2(root / path, out / path)
         for folder, target in released:
             shutil.copytree(folder, out / target)
+    shutil.copy(TRAINEE_NBGRADER_CONFIG, out / "nbgrader_config.py")
     return out, len(answers)

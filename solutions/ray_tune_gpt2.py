@@ -143,7 +143,8 @@ def parse_args(argv=None):
     parser.add_argument("--micro-batch", type=positive_int,
                         help="samples per forward pass (default: the preset's)")
     parser.add_argument("--train-args", default="", help="more flags for the trainer, quoted")
-    parser.add_argument("--seed", type=int, default=1337)
+    parser.add_argument("--seed", type=int, default=1337,
+                        help="seed of the trials' sampling: the same seed samples the same trials")
     args = parser.parse_args(argv)
     # what lesson 07's workers check and derive, for trials of one process each
     args.nodes, args.nproc_per_node = 1, 1
@@ -162,6 +163,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     from ray import tune
+    from ray.tune.search import BasicVariantGenerator
 
     raycluster.connect()
     space, scheduler = search(args)
@@ -171,6 +173,7 @@ def main(argv=None):
         tune.with_resources(tune.with_parameters(trial, args=args), {"cpu": 1, "gpu": gpus}),
         param_space=space,
         tune_config=tune.TuneConfig(metric="val_loss", mode="min", scheduler=scheduler,
+                                    search_alg=BasicVariantGenerator(random_state=args.seed),
                                     num_samples=args.trials, max_concurrent_trials=concurrent),
         run_config=tune.RunConfig(name="ray", storage_path=str(args.study_dir), verbose=0))
     results = tuner.fit()

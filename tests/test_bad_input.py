@@ -9,7 +9,7 @@ import hashlib
 
 import pytest
 
-from coursekit import KitError, cli, distributed, faults, stages, watchdog
+from coursekit import KIT_ROOT, KitError, cli, course, distributed, faults, stages, watchdog
 
 SHARED = [(["--micro-batch", "0"], "argument --micro-batch: expected a positive integer, got 0"),
           (["--device", "tpu"], "argument --device: invalid choice: 'tpu' (choose from 'auto', "
@@ -42,6 +42,18 @@ COMMAND_CASES = [
                                            "ddp, fsdp, lit, pp, std, tp, comma-separated"),
     (["assignments", "--root", "/nonexistent/course"],
      "error: --root /nonexistent/course holds no notebooks/ folder"),
+    (["grades", "99-nosuch", "--root", str(KIT_ROOT)],
+     "error: '99-nosuch' is not a lesson of the course in "),
+    (["autograde", "01-single-gpu-gpt", "--root", "/nonexistent/course"],
+     "error: '01-single-gpu-gpt' is not a lesson of the course in /nonexistent/course: choose "
+     "from (none: give the course root with --root)"),
+    (["exchange", "create", "/nonexistent/exchange", "--group", "no-such-group"],
+     "error: --group 'no-such-group' is not a Unix group here"),
+    (["exchange", "create", "/tmp", "--group", "root"], "error: /tmp exists: the exchange is "
+                                                        "made once, in a new folder"),
+    (["exchange", "create", "/tmp/kit-exchange-test", "--group", "root"],
+     "error: /tmp (group root, mode 1777) must be of group root, which must reach it, and closed "
+     "to others"),
 ]
 
 
@@ -105,3 +117,19 @@ def test_a_bad_watchdog_time_is_one_line(value, monkeypatch):
     monkeypatch.setenv("KIT_WATCHDOG", value)
     assert faults.run(watchdog.watchdog_seconds) == \
         f"error: KIT_WATCHDOG={value!r}: expected a number of seconds >= 0 (0: no watchdog)"
+
+
+@pytest.mark.parametrize("settings, message", [
+    ('id = "gpt course"\nexchange = "/project/x"\n', "id 'gpt course' is not a course id"),
+    ('id = "gpt-course"\n', "exchange '' is not an absolute path"),
+    ('id = "gpt-course"\nexchange = "exchange"\n', "exchange 'exchange' is not an absolute path"),
+    ('id = gpt-course\n', "course.toml: "),
+], ids=["space in id", "no exchange", "relative exchange", "not toml"])
+def test_a_bad_course_toml_stops_nbgrader_in_one_line(settings, message, tmp_path):
+    """nbgrader_config.py reads course.toml: a bad one stops nbgrader's command with one line
+    (its config loader would log the exception and go on without the exchange)."""
+    (tmp_path / "course.toml").write_text(settings)
+    with pytest.raises(SystemExit) as stopped:
+        course.configure(object(), tmp_path)
+    assert str(stopped.value).startswith(f"error: {tmp_path / 'course.toml'}: ") and \
+        message in str(stopped.value) and "\n" not in str(stopped.value)

@@ -1,0 +1,349 @@
+"""A class through nbgrader's exchange, end to end, with real Unix users: the instructor guide's
+class workflow (book/instructor.md, "A class through the exchange"), command by command, each
+run as the user who runs it on a cluster.
+
+The instructor and the trainees alice, bob and dave are members of the course's group; carol is
+on the roster and hands nothing in. The exchange lies on "project space" as `coursekit exchange
+create` makes it, and course.toml names it for both sides. Alice hands in every exercise solved,
+on time; bob one exercise unsolved, after the due date; dave renames a graded cell, which nbgrader
+refuses. The instructor collects, autogrades in the grading sandbox, releases feedback, exports
+the grades and reads the class summary; trainees fetch their feedback."""
+import csv
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+from datetime import datetime, timezone
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from conftest import debian_tool
+from coursekit import KIT_ROOT, trainee
+from test_grading import exercises, source_notebook, with_cells_from
+
+pytestmark = pytest.mark.grading
+LESSON = "01-single-gpu-gpt"
+COURSE_ID = "gpt-course"
+GROUP = "kit-course"
+INSTRUCTOR = "kit-instructor"
+#: The trainees who hand in, and what: every exercise solved, one left as released (the one
+#: below), one graded cell renamed.
+SOLVED, ONE_UNSOLVED, CELL_RENAMED = "kit-alice", "kit-bob", "kit-dave"
+ABSENT = "kit-carol"  # on the roster, hands nothing in
+TRAINEES = (SOLVED, ONE_UNSOLVED, CELL_RENAMED, ABSENT)
+UNSOLVED = "steps_per_epoch"  # bob's exercise left as released
+
+
+def closed_ancestor(path):
+    """The highest folder above ``path`` that other users cannot enter (None: they reach it)."""
+    return next((folder for folder in reversed(Path(path).parents)
+                 if not folder.stat().st_mode & stat.S_IXOTH), None)
+
+
+#: Runs its arguments after `mount` lines that open the way to the kit's Python: in a mount
+#: namespace of its own (unshare), the closed folder above the interpreter (here root's home,
+#: where pyenv keeps it) becomes an empty folder that anyone may enter, holding only the
+#: interpreter's installation. Nothing outside the command sees a change; on a cluster, the
+#: course's Python is where everyone reaches it.
+OPEN_THE_WAY_TO_PYTHON = """set -e
+closed=$1 inside=$2 kept=$3; shift 3
+mount --bind "$inside" "$kept"
+mount -t tmpfs -o mode=0711 tmpfs "$closed"
+mkdir -p "$inside"
+mount --bind "$kept" "$inside"
+exec "$@"
+"""
+
+
+def as_user(user, *command, cwd, check=True):
+    """Run ``command`` as ``user`` in ``cwd``, with a login's environment: their HOME, the kit's
+    Python first on PATH (as the course's module or conda environment puts it)."""
+    home = Path(f"~{user}").expanduser()
+    env = {"HOME": str(home), "USER": user, "LOGNAME": user, "LANG": "C.UTF-8",
+           "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin"}
+    run = ["runuser", "-u", user, "--", "env", "-i",
+           *(f"{key}={value}" for key, value in env.items()), *command]
+    interpreter = Path(sys.base_prefix)
+    closed = closed_ancestor(interpreter / "bin")
+    if closed:
+        inside = closed / interpreter.relative_to(closed).parts[0]
+        kept = Path(tempfile.mkdtemp(prefix="kit-python-"))
+        run = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+               OPEN_THE_WAY_TO_PYTHON, "sh", str(closed), str(inside), str(kept), *run]
+    result = subprocess.run(run, cwd=cwd, capture_output=True, text=True, timeout=600)
+    if closed:
+        kept.rmdir()
+    if check:
+        assert result.returncode == 0, f"{' '.join(command)} as {user}:\n" \
+                                       f"{result.stdout[-2000:]}{result.stderr[-3000:]}"
+    return result
+
+
+def nbgrader(user, *args, cwd, check=True):
+    return as_user(user, "python", "-m", "nbgrader", *args, cwd=cwd, check=check)
+
+
+def accounts(base):
+    """The course's group and users, homes private under ``base``; removed afterwards."""
+    subprocess.run(["groupadd", GROUP], check=True)
+    for user in (INSTRUCTOR, *TRAINEES):
+        home = base / "home" / user
+        subprocess.run(["useradd", "--create-home", "--home-dir", str(home), "--user-group",
+                        "--groups", GROUP, "--shell", "/bin/bash", user], check=True)
+        home.chmod(0o700)  # as a cluster's homes are; useradd here follows the umask, 022
+
+
+def remove_accounts():
+    for user in (INSTRUCTOR, *TRAINEES):
+        subprocess.run(["pkill", "-KILL", "-u", user], capture_output=True)
+        subprocess.run(["userdel", "--remove", user], capture_output=True)
+    subprocess.run(["groupdel", GROUP], capture_output=True)
+
+
+def course_settings(folder, exchange):
+    (folder / "course.toml").write_text(f'id = "{COURSE_ID}"\nexchange = "{exchange}"\n')
+
+
+def instructors_course(base, exchange):
+    """The instructor's grading checkout: the kit's nbgrader set-up and the lesson, theirs."""
+    course = base / "home" / INSTRUCTOR / "course"
+    (course / "notebooks").mkdir(parents=True)
+    shutil.copy(KIT_ROOT / "nbgrader_config.py", course)
+    course_settings(course, exchange)
+    shutil.copytree(KIT_ROOT / "notebooks" / LESSON, course / "notebooks" / LESSON,
+                    ignore=shutil.ignore_patterns("runs", ".ipynb_checkpoints"))
+    (course / "students.csv").write_text("id\n" + "\n".join(TRAINEES[:4]) + "\n")
+    subprocess.run(["chown", "-R", f"{INSTRUCTOR}:{INSTRUCTOR}", course], check=True)
+    return course
+
+
+def trainees_kit(user, base, exchange):
+    """What a trainee's clone of the trainee kit holds for the exchange: its nbgrader_config.py
+    and the course.toml the instructor set."""
+    kit = base / "home" / user / "kit"
+    kit.mkdir()
+    shutil.copy(trainee.TRAINEE_NBGRADER_CONFIG, kit / "nbgrader_config.py")
+    course_settings(kit, exchange)
+    subprocess.run(["chown", "-R", f"{user}:{user}", kit], check=True)
+    return kit
+
+
+def answers(release_path, base):
+    """The folder of each trainee's work, <trainee>.ipynb, readable by that trainee alone: the
+    release with the lesson's solutions written in (all, all but UNSOLVED, or all and a graded
+    cell renamed)."""
+    source = nbformat.read(source_notebook(LESSON), as_version=4)
+    release = nbformat.read(release_path, as_version=4)
+    solutions = list(exercises(source))
+    renamed = with_cells_from(release, source, solutions)
+    test_cell = next(cell for cell in renamed.cells
+                     if cell.metadata.get("nbgrader", {}).get("grade"))
+    test_cell.metadata.nbgrader.grade_id += "_renamed"
+    work = {SOLVED: with_cells_from(release, source, solutions),
+            ONE_UNSOLVED: with_cells_from(release, source, set(solutions) - {UNSOLVED}),
+            CELL_RENAMED: renamed}
+    folder = base / "answers"
+    folder.mkdir(mode=0o755)
+    for user, notebook in work.items():
+        nbformat.write(notebook, folder / f"{user}.ipynb")
+        (folder / f"{user}.ipynb").chmod(0o600)
+        shutil.chown(folder / f"{user}.ipynb", user)
+    return folder
+
+
+def hand_in(user, base, exchange, answers_folder):
+    """As ``user``: fetch the lesson, do the work (their answer, copied in), submit."""
+    kit = trainees_kit(user, base, exchange)
+    nbgrader(user, "fetch_assignment", LESSON, cwd=kit)
+    as_user(user, "cp", str(answers_folder / f"{user}.ipynb"),
+            str(kit / LESSON / f"{LESSON}.ipynb"), cwd=kit)
+    nbgrader(user, "submit", LESSON, cwd=kit)
+    return kit
+
+
+def forge(forger, victim, exchange, kit):
+    """As ``forger``: hand in their own folder under ``victim``'s name, later than the victim's
+    own submission (the inbound folder takes anyone's writes); the name of what they wrote."""
+    name = f"{victim}+{LESSON}+{datetime.now(timezone.utc):%Y-%m-%d %H:%M:%S.%f} UTC+forged"
+    as_user(forger, "cp", "-r", str(kit / LESSON), str(exchange / COURSE_ID / "inbound" / name),
+            cwd=kit)
+    return name
+
+
+def hidden_test_lines():
+    """The lines of the lesson's hidden tests that appear nowhere else in it."""
+    hidden, elsewhere, inside = set(), set(), False
+    for cell in nbformat.read(source_notebook(LESSON), as_version=4).cells:
+        for line in (line.strip() for line in cell.source.splitlines()):
+            if line in ("### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"):
+                inside = line.startswith("### BEGIN")
+            elif line:
+                (hidden if inside else elsewhere).add(line)
+    return hidden - elsewhere
+
+
+#: Run as a trainee: every file under a folder that the trainee can read, with the hidden-test
+#: lines it holds, as text (a notebook's cells and outputs, a page's text without its markup).
+READABLE_WITH_HIDDEN_LINES = textwrap.dedent("""
+    import html, json, os, re, sys
+    hidden = set(json.load(open(sys.argv[2])))
+
+    def text_of(path):
+        text = open(path, errors="replace").read()
+        if path.endswith(".ipynb"):
+            cells = json.loads(text)["cells"]
+            return "\\n".join("".join(cell["source"]) + json.dumps(cell.get("outputs", []))
+                              for cell in cells)
+        if path.endswith(".html"):
+            return html.unescape(re.sub(r"<[^>]*>", "", text))
+        return text
+
+    found, readable = [], 0
+    for folder, _, files in os.walk(sys.argv[1]):
+        for name in files:
+            path = os.path.join(folder, name)
+            try:
+                text = text_of(path)
+            except OSError:
+                continue
+            readable += 1
+            found += [(path, line) for line in hidden if line in text]
+    print(json.dumps({"readable": readable, "found": found}))
+""")
+
+
+@pytest.fixture(scope="module")
+def class_run():
+    """The whole round trip, once; what the tests read afterwards. Accounts and files removed."""
+    if os.geteuid() != 0:
+        pytest.skip("the class's Unix users are made with useradd, which needs root")
+    debian_tool("bwrap", "bubblewrap")  # the grading kernel's sandbox
+    base = Path(tempfile.mkdtemp(prefix="kit-class-"))
+    base.chmod(0o755)
+    remove_accounts()  # any left by an interrupted run
+    try:
+        accounts(base)
+        (base / "project").mkdir(mode=0o755)  # the project's space, where the instructor writes
+        shutil.chown(base / "project", INSTRUCTOR)
+        exchange = base / "project" / "course" / "exchange"
+        course = instructors_course(base, exchange)
+        as_user(INSTRUCTOR, "python", "-m", "coursekit", "exchange", "create", str(exchange),
+                "--group", GROUP, cwd=course)
+        as_user(INSTRUCTOR, "python", "-m", "coursekit", "assignments", "--root", ".", cwd=course)
+        nbgrader(INSTRUCTOR, "db", "student", "import", "students.csv", cwd=course)
+        nbgrader(INSTRUCTOR, "release_assignment", LESSON, cwd=course)
+        work = answers(course / "release" / LESSON / f"{LESSON}.ipynb", base)
+        kits = {SOLVED: hand_in(SOLVED, base, exchange, work)}
+        # the due date passes: later submissions are late
+        nbgrader(INSTRUCTOR, "db", "assignment", "add", LESSON, "--duedate",
+                 datetime.now(timezone.utc).isoformat(), cwd=course)
+        kits |= {user: hand_in(user, base, exchange, work) for user in (ONE_UNSOLVED, CELL_RENAMED)}
+        forged = forge(ONE_UNSOLVED, SOLVED, exchange, kits[ONE_UNSOLVED])
+        collected = nbgrader(INSTRUCTOR, "collect", LESSON, cwd=course, check=False)
+        autograded = as_user(INSTRUCTOR, "python", "-m", "coursekit", "autograde", LESSON,
+                             cwd=course, check=False)
+        nbgrader(INSTRUCTOR, "generate_feedback", LESSON, cwd=course)
+        nbgrader(INSTRUCTOR, "release_feedback", LESSON, cwd=course)
+        for user in (SOLVED, ONE_UNSOLVED):
+            nbgrader(user, "fetch_feedback", LESSON, cwd=kits[user])
+        nbgrader(INSTRUCTOR, "export", "--to", "grades.csv", cwd=course)
+        summary = as_user(INSTRUCTOR, "python", "-m", "coursekit", "grades", LESSON, cwd=course)
+        with tempfile.NamedTemporaryFile("w", suffix=".json") as hidden:  # outside base
+            json.dump(sorted(hidden_test_lines()), hidden)
+            hidden.flush()
+            os.chmod(hidden.name, 0o644)
+            seen_by_trainee = {user: json.loads(as_user(
+                user, "python", "-c", READABLE_WITH_HIDDEN_LINES, str(base), hidden.name,
+                cwd=kits[user]).stdout) for user in (SOLVED, ONE_UNSOLVED)}
+        yield {"base": base, "course": course, "exchange": exchange, "kits": kits,
+               "forged": forged, "collected": collected, "work": work, "autograded": autograded, "summary": summary.stdout,
+               "seen_by_trainee": seen_by_trainee,
+               "grades": list(csv.DictReader((course / "grades.csv").open()))}
+    finally:
+        remove_accounts()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def points():
+    """{graded cell: its points} of the lesson, and the cells of the exercise bob left."""
+    notebook = nbformat.read(source_notebook(LESSON), as_version=4)
+    cells = {cell.metadata.nbgrader.grade_id: cell.metadata.nbgrader.points
+             for cell in notebook.cells if cell.metadata.get("nbgrader", {}).get("grade")}
+    return cells, exercises(notebook)[UNSOLVED]
+
+
+def test_grades_are_full_for_the_solved_work_and_lose_exactly_the_unsolved_exercise(class_run):
+    cells, unsolved = points()
+    total = sum(cells.values())
+    rows = {row["student_id"]: row for row in class_run["grades"]}
+    assert float(rows[SOLVED]["raw_score"]) == total
+    assert float(rows[ONE_UNSOLVED]["raw_score"]) == total - sum(cells[c] for c in unsolved)
+    assert float(rows[ABSENT]["raw_score"]) == 0  # nbgrader's export lists the roster
+    assert stat.S_IMODE((class_run["course"] / "grades.csv").stat().st_mode) == 0o600
+
+
+def test_the_summary_says_who_was_late_missing_or_not_graded_and_what_to_teach_again(class_run):
+    lines = {line.split()[0]: line for line in class_run["summary"].splitlines()[3:]}
+    assert "on time" in lines[SOLVED] and "late by" in lines[ONE_UNSOLVED]
+    assert "missing" in lines[ABSENT] and "not graded" in lines[CELL_RENAMED]
+    _, unsolved = points()
+    teach_again = class_run["summary"].splitlines()[-1]
+    assert teach_again == "teach again first: " + ", ".join(f"{cell} (50%)" for cell in unsolved)
+
+
+def test_a_submission_under_another_trainees_name_is_refused_and_theirs_collected(class_run):
+    """bob hands in, later than alice, a folder named as hers: collect collects everyone's own
+    latest submission, alice's included, and fails naming bob's forgery."""
+    collected = class_run["collected"]
+    assert collected.returncode != 0
+    assert f"{class_run['forged']} (owned by {ONE_UNSOLVED})" in collected.stdout + collected.stderr
+    submitted = class_run["course"] / "submitted"
+    assert {path.name for path in submitted.iterdir()} == {SOLVED, ONE_UNSOLVED, CELL_RENAMED}
+    own = nbformat.read(class_run["work"] / f"{SOLVED}.ipynb", as_version=4)
+    got = nbformat.read(submitted / SOLVED / LESSON / f"{LESSON}.ipynb", as_version=4)
+    assert [cell.source for cell in got.cells] == [cell.source for cell in own.cells]
+
+
+def test_a_renamed_graded_cell_is_named_in_one_line_and_the_others_are_graded(class_run):
+    autograded = class_run["autograded"]
+    assert autograded.returncode == 1
+    errors = autograded.stderr.strip().splitlines()
+    assert len(errors) == 1 and errors[0].startswith(
+        f"error: {CELL_RENAMED}'s {LESSON} was not graded: "), autograded.stderr
+    graded = class_run["course"] / "autograded"
+    assert {path.parent.name for path in graded.glob(f"*/{LESSON}")} == {SOLVED, ONE_UNSOLVED}
+
+
+def test_each_trainee_gets_their_own_feedback_and_cannot_reach_anothers_work(class_run):
+    base, exchange = class_run["base"], class_run["exchange"]
+    for user in (SOLVED, ONE_UNSOLVED):
+        feedback = list((class_run["kits"][user] / LESSON / "feedback").rglob("*.html"))
+        assert len(feedback) == 1, feedback
+        others = (SOLVED, ONE_UNSOLVED)[user == SOLVED]
+        # the other trainee's submission: not in the exchange's inbound (which no trainee may
+        # list), nor in their home, nor in the instructor's course folder
+        for folder in (exchange / COURSE_ID / "inbound", base / "home" / others,
+                       class_run["course"], exchange / COURSE_ID / "feedback"):
+            listing = as_user(user, "ls", str(folder), cwd=base, check=False)
+            assert listing.returncode != 0 and "Permission denied" in listing.stderr, folder
+
+
+def test_no_file_a_trainee_can_read_holds_a_hidden_test(class_run):
+    assert len(hidden_test_lines()) > 5
+    for user, seen in class_run["seen_by_trainee"].items():
+        assert seen["readable"] > 3, seen  # their kit, their fetched lesson and its feedback
+        assert seen["found"] == [], (user, seen["found"][:3])
+
+
+def test_the_exchange_is_closed_to_users_outside_the_course(class_run):
+    gate = class_run["exchange"].parent
+    assert stat.S_IMODE(gate.stat().st_mode) == 0o2750
+    assert stat.S_IMODE(class_run["exchange"].stat().st_mode) == 0o1777
+    listing = as_user("nobody", "ls", str(class_run["exchange"]), cwd="/", check=False)
+    assert listing.returncode != 0 and "Permission denied" in listing.stderr
