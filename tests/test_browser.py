@@ -14,7 +14,6 @@ Screenshots are kept in _build/browser/ and listed at the end of the test output
 """
 import functools
 import http.server
-import io
 import os
 import secrets
 import shutil
@@ -27,11 +26,10 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import SCREENSHOT_DIR, debian_tool, free_port, kit_env
-from PIL import Image
-from selenium import webdriver
-from selenium.common.exceptions import StaleElementReferenceException, TimeoutException
-from selenium.webdriver.chrome.service import Service
+import chromium
+from chromium import console_errors, screenshot, wait_for
+from conftest import free_port, kit_env
+from selenium.common.exceptions import TimeoutException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
@@ -48,43 +46,7 @@ LAB_LESSON = KIT_ROOT / "notebooks" / "00-gpus-and-hpc" / "00-gpus-and-hpc.ipynb
 
 @pytest.fixture(scope="module")
 def browser():
-    """Headless Chromium; its console messages are kept for get_log("browser")."""
-    debian_tool("chromium", "chromium", "chromium-driver")
-    options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium")
-    for flag in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                 "--window-size=1400,1000"):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    # the driver path is given, so Selenium Manager does not try to download one
-    driver = webdriver.Chrome(service=Service(executable_path=debian_tool("chromedriver",
-                                                                          "chromium-driver")),
-                              options=options)
-    driver.set_script_timeout(120)  # execute_async_script waits for typesetting and fonts
-    yield driver
-    driver.quit()
-
-
-def console_errors(driver):
-    return [entry["message"] for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
-
-
-def wait_for(driver, condition, seconds, what):
-    # elements that a page re-renders while we look (search results, widgets) go stale: look again
-    return WebDriverWait(driver, seconds, poll_frequency=0.5,
-                         ignored_exceptions=[StaleElementReferenceException]).until(condition,
-                                                                                    message=what)
-
-
-def screenshot(element, name):
-    """Save the element's screenshot; returns its share of pixels that are not background."""
-    SCREENSHOT_DIR.mkdir(parents=True, exist_ok=True)
-    png = element.screenshot_as_png
-    path = SCREENSHOT_DIR / f"{name}.png"
-    path.write_bytes(png)
-    image = Image.open(io.BytesIO(png)).convert("L")
-    background = max(image.histogram())  # the most common grey level
-    return 1 - background / (image.width * image.height)
+    yield from chromium.headless()
 
 
 # --- the book ------------------------------------------------------------------------------------

@@ -7,25 +7,39 @@ on the roster and hands nothing in. The exchange lies on "project space" as `cou
 create` makes it, and course.toml names it for both sides. Alice hands in every exercise solved,
 on time; bob one exercise unsolved, after the due date; dave renames a graded cell, which nbgrader
 refuses. The instructor collects, autogrades in the grading sandbox, releases feedback, exports
-the grades and reads the class summary; trainees fetch their feedback."""
+the grades and reads the class summary; trainees fetch their feedback. Then the instructor opens
+the formgrader from JupyterLab in a real browser (headless Chromium) and comments on a
+submission, and the comment reaches its feedback."""
+import contextlib
 import csv
+import html
 import json
 import os
+import re
+import secrets
 import shutil
+import signal
 import stat
 import subprocess
 import sys
 import tempfile
 import textwrap
+import time
+import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
 import nbformat
 import pytest
 
-from conftest import debian_tool
-from coursekit import KIT_ROOT, trainee
+import chromium
+from chromium import screenshot, wait_for
+from conftest import debian_tool, free_port
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
 from test_grading import exercises, source_notebook, with_cells_from
+
+from coursekit import KIT_ROOT, trainee
 
 pytestmark = pytest.mark.grading
 LESSON = "01-single-gpu-gpt"
@@ -61,9 +75,10 @@ exec "$@"
 """
 
 
-def as_user(user, *command, cwd, check=True):
-    """Run ``command`` as ``user`` in ``cwd``, with a login's environment: their HOME, the kit's
-    Python first on PATH (as the course's module or conda environment puts it)."""
+@contextlib.contextmanager
+def user_command(user, *command):
+    """The command line that runs ``command`` as ``user`` with a login's environment: their HOME,
+    the kit's Python first on PATH (as the course's module or conda environment puts it)."""
     home = Path(f"~{user}").expanduser()
     env = {"HOME": str(home), "USER": user, "LOGNAME": user, "LANG": "C.UTF-8",
            "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin"}
@@ -71,14 +86,19 @@ def as_user(user, *command, cwd, check=True):
            *(f"{key}={value}" for key, value in env.items()), *command]
     interpreter = Path(sys.base_prefix)
     closed = closed_ancestor(interpreter / "bin")
-    if closed:
-        inside = closed / interpreter.relative_to(closed).parts[0]
-        kept = Path(tempfile.mkdtemp(prefix="kit-python-"))
-        run = ["unshare", "--mount", "--propagation", "private", "sh", "-c",
-               OPEN_THE_WAY_TO_PYTHON, "sh", str(closed), str(inside), str(kept), *run]
-    result = subprocess.run(run, cwd=cwd, capture_output=True, text=True, timeout=600)
-    if closed:
-        kept.rmdir()
+    if not closed:
+        yield run
+        return
+    inside = closed / interpreter.relative_to(closed).parts[0]
+    with tempfile.TemporaryDirectory(prefix="kit-python-") as kept:
+        yield ["unshare", "--mount", "--propagation", "private", "sh", "-c",
+               OPEN_THE_WAY_TO_PYTHON, "sh", str(closed), str(inside), kept, *run]
+
+
+def as_user(user, *command, cwd, check=True):
+    """Run ``command`` as ``user`` in ``cwd`` (user_command); the CompletedProcess."""
+    with user_command(user, *command) as run:
+        result = subprocess.run(run, cwd=cwd, capture_output=True, text=True, timeout=600)
     if check:
         assert result.returncode == 0, f"{' '.join(command)} as {user}:\n" \
                                        f"{result.stdout[-2000:]}{result.stderr[-3000:]}"
@@ -253,7 +273,8 @@ def class_run():
         for user in (SOLVED, ONE_UNSOLVED):
             nbgrader(user, "fetch_feedback", LESSON, cwd=kits[user])
         nbgrader(INSTRUCTOR, "export", "--to", "grades.csv", cwd=course)
-        summary = as_user(INSTRUCTOR, "python", "-m", "coursekit", "grades", LESSON, cwd=course)
+        summary = as_user(INSTRUCTOR, "python", "-m", "coursekit", "grades", LESSON, "--plot",
+                          "grades-01.png", cwd=course)
         with tempfile.NamedTemporaryFile("w", suffix=".json") as hidden:  # outside base
             json.dump(sorted(hidden_test_lines()), hidden)
             hidden.flush()
@@ -293,8 +314,10 @@ def test_the_summary_says_who_was_late_missing_or_not_graded_and_what_to_teach_a
     assert "on time" in lines[SOLVED] and "late by" in lines[ONE_UNSOLVED]
     assert "missing" in lines[ABSENT] and "not graded" in lines[CELL_RENAMED]
     _, unsolved = points()
-    teach_again = class_run["summary"].splitlines()[-1]
+    teach_again = class_run["summary"].splitlines()[-2]
     assert teach_again == "teach again first: " + ", ".join(f"{cell} (50%)" for cell in unsolved)
+    plot = class_run["course"] / "grades-01.png"
+    assert plot.read_bytes().startswith(b"\x89PNG") and plot.stat().st_size > 5000
 
 
 def test_a_submission_under_another_trainees_name_is_refused_and_theirs_collected(class_run):
@@ -347,3 +370,87 @@ def test_the_exchange_is_closed_to_users_outside_the_course(class_run):
     assert stat.S_IMODE(class_run["exchange"].stat().st_mode) == 0o1777
     listing = as_user("nobody", "ls", str(class_run["exchange"]), cwd="/", check=False)
     assert listing.returncode != 0 and "Permission denied" in listing.stderr
+
+
+# --- the formgrader, in a real browser -----------------------------------------------------------
+
+COMMENT = "Well done: now try a minibatch that does not divide the dataset."
+
+
+@pytest.fixture(scope="module")
+def browser():
+    yield from chromium.headless()
+
+
+@pytest.fixture(scope="module")
+def formgrader(class_run):
+    """JupyterLab as the instructor, in their course folder, on 127.0.0.1 behind a token (as
+    `make lab` starts it): its URL and token."""
+    port, token = free_port(), secrets.token_hex(16)
+    with user_command(INSTRUCTOR, "jupyter", "lab", "--no-browser", "--ip", "127.0.0.1",
+                      f"--port={port}", "--ServerApp.port_retries=0",
+                      f"--IdentityProvider.token={token}",
+                      "--LabApp.expose_app_in_browser=True") as command:
+        server = subprocess.Popen(command, cwd=class_run["course"], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_until_it_answers(f"{url}/api/status?token={token}", server)
+            yield url, token
+        finally:
+            os.killpg(server.pid, signal.SIGTERM)
+            server.wait(timeout=30)
+
+
+def wait_until_it_answers(url, server, seconds=120):
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            urllib.request.urlopen(url, timeout=5)
+            return
+        except OSError:
+            assert server.poll() is None and time.monotonic() < deadline, "JupyterLab did not start"
+            time.sleep(0.5)  # between two requests: the loop waits for an answer
+
+
+def test_the_formgrader_shows_the_scores_and_a_comment_reaches_the_feedback(browser, formgrader,
+                                                                             class_run):
+    """The instructor's review, from JupyterLab: the formgrader lists the two graded submissions
+    with their scores; a comment typed on alice's first answer is saved, and the feedback
+    generated afterwards shows it to her."""
+    url, token = formgrader
+    cells, unsolved = points()
+    total = sum(cells.values())
+    browser.get(f"{url}/lab?token={token}")  # JupyterLab logs the browser in (a cookie)
+    wait_for(browser, lambda d: d.execute_script("return !!window.jupyterapp"), 120,
+             "JupyterLab did not start in the browser")
+    browser.get(f"{url}/formgrader/gradebook/{LESSON}/{LESSON}")
+
+    def submissions(driver):  # {trainee: (score shown, link)} once both rows are there
+        rows = driver.find_elements(By.CSS_SELECTOR, "tbody tr")
+        found = {row.find_element(By.CSS_SELECTOR, "a.name-shown").get_attribute("textContent"):
+                 (row.find_element(By.CSS_SELECTOR, ".score").text,
+                  row.find_element(By.CSS_SELECTOR, "a.name-shown").get_attribute("href"))
+                 for row in rows if row.find_elements(By.CSS_SELECTOR, "a.name-shown")}
+        return found if len(found) >= 2 else None
+
+    found = wait_for(browser, submissions, 60, "the formgrader did not list the submissions")
+    assert {name: score for name, (score, _) in found.items()} == {
+        SOLVED: f"{total} / {total}",
+        ONE_UNSOLVED: f"{total - sum(cells[c] for c in unsolved)} / {total}"}
+    browser.get(found[SOLVED][1])
+    box = wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "textarea.comment"), 60,
+                   "alice's submission showed no comment box")[0]
+    box.click()
+    box.send_keys(COMMENT)
+    box.send_keys(Keys.TAB)  # leaving the box saves it
+    submission_id = found[SOLVED][1].rstrip("/").rsplit("/", 1)[-1]
+    saved = f"""fetch("{url}/formgrader/api/comments?submission_id={submission_id}")
+                .then(r => r.json()).then(arguments[0])"""
+    wait_for(browser, lambda d: any(c["manual_comment"] == COMMENT
+                                    for c in d.execute_async_script(saved)),
+             30, "the comment was not saved")
+    screenshot(browser.find_element(By.TAG_NAME, "body"), "formgrader-comment")
+    nbgrader(INSTRUCTOR, "generate_feedback", LESSON, "--force", cwd=class_run["course"])
+    feedback = class_run["course"] / "feedback" / SOLVED / LESSON / f"{LESSON}.html"
+    assert COMMENT in html.unescape(re.sub(r"<[^>]*>", "", feedback.read_text()))
