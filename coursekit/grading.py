@@ -256,14 +256,14 @@ def class_summary(root, lesson):
     with Gradebook(gradebook_url(root)) as gradebook:
         for student in sorted(gradebook.students, key=lambda student: student.id):
             handed_in = (Path(root) / "submitted" / student.id / lesson).is_dir()
-            graded = (Path(root) / "autograded" / student.id / lesson).is_dir()
-            if not graded:
-                rows.append((student.id, "not graded" if handed_in else "missing", {}))
+            ungraded = (student.id, "not graded" if handed_in else "missing", {})
+            if not (Path(root) / "autograded" / student.id / lesson).is_dir():
+                rows.append(ungraded)
                 continue
             try:
                 submission = gradebook.find_submission(lesson, student.id)
-            except MissingEntry:  # graded, then removed from the gradebook
-                rows.append((student.id, "missing", {}))
+            except MissingEntry:  # graded, then removed from the gradebook: autograde it again
+                rows.append(ungraded)
                 continue
             late = submission.total_seconds_late
             status = f"late by {timedelta(seconds=round(late))}" if late > 0 else "on time"

@@ -2,6 +2,8 @@
 Selenium), and what they do with it: wait for a state of the page, take a screenshot."""
 import io
 import shutil
+import time
+import urllib.request
 
 from conftest import SCREENSHOT_DIR, debian_tool
 from PIL import Image
@@ -50,3 +52,16 @@ def screenshot(element, name):
     image = Image.open(io.BytesIO(png)).convert("L")
     background = max(image.histogram())  # the most common grey level
     return 1 - background / (image.width * image.height)
+
+
+def wait_until_lab_answers(url, token, server, seconds=120):
+    """Wait until the JupyterLab that `server` (its Popen) started at `url` answers its REST API;
+    fail at once if it exits first."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=5)
+            return
+        except OSError:
+            assert server.poll() is None and time.monotonic() < deadline, "JupyterLab did not start"
+            time.sleep(0.5)  # the interval between two requests: the loop waits for an answer

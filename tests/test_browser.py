@@ -22,12 +22,11 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import chromium
-from chromium import console_errors, screenshot, wait_for
+from chromium import console_errors, screenshot, wait_for, wait_until_lab_answers
 from conftest import free_port, kit_env
 from selenium.common.exceptions import TimeoutException
 from selenium.webdriver.common.by import By
@@ -162,14 +161,7 @@ def lab(tmp_path_factory):
          "--LabApp.expose_app_in_browser=True", *(["--allow-root"] if os.geteuid() == 0 else [])],
         env=kit_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while True:  # until the server answers its REST API
-        try:
-            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=5)
-            break
-        except OSError:
-            assert server.poll() is None and time.monotonic() < deadline, "JupyterLab did not start"
-            time.sleep(0.5)  # the interval between two requests: the loop waits for an answer
+    wait_until_lab_answers(url, token, server)
     yield url, token
     os.killpg(server.pid, signal.SIGTERM)
     server.wait(timeout=30)

@@ -24,8 +24,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
-import urllib.request
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -33,7 +31,7 @@ import nbformat
 import pytest
 
 import chromium
-from chromium import screenshot, wait_for
+from chromium import screenshot, wait_for, wait_until_lab_answers
 from conftest import debian_tool, free_port
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
@@ -395,22 +393,11 @@ def formgrader(class_run):
                                   stderr=subprocess.DEVNULL, start_new_session=True)
         url = f"http://127.0.0.1:{port}"
         try:
-            wait_until_it_answers(f"{url}/api/status?token={token}", server)
+            wait_until_lab_answers(url, token, server)
             yield url, token
         finally:
             os.killpg(server.pid, signal.SIGTERM)
             server.wait(timeout=30)
-
-
-def wait_until_it_answers(url, server, seconds=120):
-    deadline = time.monotonic() + seconds
-    while True:
-        try:
-            urllib.request.urlopen(url, timeout=5)
-            return
-        except OSError:
-            assert server.poll() is None and time.monotonic() < deadline, "JupyterLab did not start"
-            time.sleep(0.5)  # between two requests: the loop waits for an answer
 
 
 def test_the_formgrader_shows_the_scores_and_a_comment_reaches_the_feedback(browser, formgrader,
@@ -441,6 +428,11 @@ def test_the_formgrader_shows_the_scores_and_a_comment_reaches_the_feedback(brow
     browser.get(found[SOLVED][1])
     box = wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, "textarea.comment"), 60,
                    "alice's submission showed no comment box")[0]
+    # the box saves once the page has bound it to its comment (nbgrader's formgrade.js): what is
+    # typed there before is lost
+    wait_for(browser, lambda d: d.execute_script(
+        "return typeof formgrader !== 'undefined' && !!formgrader.comments"
+        " && formgrader.comments.loaded"), 60, "alice's comments did not load")
     box.click()
     box.send_keys(COMMENT)
     box.send_keys(Keys.TAB)  # leaving the box saves it
