@@ -415,20 +415,40 @@ def base_run():
 def ddp_ten_steps(builtin_data, tmp_path_factory):
     """10 steps of the ddp stage on 2 processes: what fsdp, tp and pp must train like, and a ddp
     run to export. Its run directory."""
-    return made_once(tmp_path_factory, "ddp10", lambda out: torchrun(
-        2, KIT_ROOT / "solutions" / "train_gpt2_ddp.py", *TEN_STEPS, "--data", builtin_data,
-        "--out", out))
+    return stage_run_once(tmp_path_factory, "ddp10", "ddp", *TEN_STEPS, "--data", builtin_data)[0]
 
 
 @pytest.fixture(scope="session")
 def fsdp_ten_steps(builtin_data, tmp_path_factory):
     """10 steps of the fsdp stage on 2 processes, checkpoints at 5 and 10: (run directory,
     stdout)."""
+    return stage_run_once(tmp_path_factory, "fsdp10", "fsdp", *TEN_STEPS, "--data", builtin_data)
+
+
+@pytest.fixture(scope="session")
+def tp_ten_steps(builtin_data, tmp_path_factory):
+    """10 steps of the tp stage on 2 processes (dp=1 x tp=2), checkpoints at 5 and 10: (run
+    directory, stdout). Read by the tp stage's tests and exported by export-hf's."""
+    return stage_run_once(tmp_path_factory, "tp10", "tp", *TEN_STEPS, "--tp", 2,
+                          "--data", builtin_data)
+
+
+@pytest.fixture(scope="session")
+def pp_ten_steps(builtin_data, tmp_path_factory):
+    """10 steps of a 2-stage pipeline (schedule 1F1B) ending with an 8-token sample,
+    checkpoints at 5 and 10: (run directory, stdout). Read by the pp stage's tests and exported
+    by export-hf's."""
+    return stage_run_once(tmp_path_factory, "pp10", "pp", *TEN_STEPS, "--schedule", "1f1b",
+                          "--sample-tokens", 8, "--data", builtin_data)
+
+
+def stage_run_once(tmp_path_factory, name, stage, *args):
+    """A run of the stage on 2 processes, made once for every worker: (run directory, stdout)."""
     def train(out):
-        result = torchrun(2, KIT_ROOT / "solutions" / "train_gpt2_fsdp.py", *TEN_STEPS,
-                          "--data", builtin_data, "--out", out)
+        result = torchrun(2, KIT_ROOT / "solutions" / f"train_gpt2_{stage}.py", *args,
+                          "--out", out)
         out.with_suffix(".stdout").write_text(result.stdout)
-    out = made_once(tmp_path_factory, "fsdp10", train)
+    out = made_once(tmp_path_factory, name, train)
     return out, out.with_suffix(".stdout").read_text()
 
 

@@ -40,7 +40,8 @@ from test_grading import exercises, source_notebook, with_cells_from
 from coursekit import KIT_ROOT, trainee
 
 pytestmark = pytest.mark.grading
-LESSON = "01-single-gpu-gpt"
+#: A lesson whose graded cells are plain Python: each submission graded starts no model
+LESSON = "00-gpus-and-hpc"
 COURSE_ID = "gpt-course"
 GROUP = "kit-course"
 INSTRUCTOR = "kit-instructor"
@@ -49,7 +50,7 @@ INSTRUCTOR = "kit-instructor"
 SOLVED, ONE_UNSOLVED, CELL_RENAMED = "kit-alice", "kit-bob", "kit-dave"
 ABSENT = "kit-carol"  # on the roster, hands nothing in
 TRAINEES = (SOLVED, ONE_UNSOLVED, CELL_RENAMED, ABSENT)
-UNSOLVED = "steps_per_epoch"  # bob's exercise left as released
+UNSOLVED = "efficiency"  # bob's exercise left as released
 
 
 def closed_ancestor(path):
@@ -372,7 +373,7 @@ def test_the_exchange_is_closed_to_users_outside_the_course(class_run):
 
 # --- the formgrader, in a real browser -----------------------------------------------------------
 
-COMMENT = "Well done: now try a minibatch that does not divide the dataset."
+COMMENT = "Well done: now try it with the times of a job on 8 GPUs."
 
 
 @pytest.fixture(scope="module")

@@ -8,27 +8,20 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from conftest import kit_env, torchrun
+from conftest import kit_env
 from coursekit import KIT_ROOT, data, hfexport, runs, stages
 from coursekit.presets import GPT2_VOCAB, get_preset
 
 pytestmark = pytest.mark.stages
-# conftest's runs, trained once for the stage tests too: std in one process, ddp and fsdp on 2;
-# and two steps of tp and pp on 2, whose checkpoints hold slices and stages
+# conftest's runs, trained once for the stage tests too: std in one process; ddp, fsdp, tp and
+# pp on 2, whose checkpoints hold shards, slices and stages
 STAGE_RUNS = {"std": "std_twenty_steps", "ddp": "ddp_ten_steps", "fsdp": "fsdp_ten_steps",
-              "tp": None, "pp": None}
+              "tp": "tp_ten_steps", "pp": "pp_ten_steps"}
 
 
-def run_directory(request, stage, tmp_path_factory):
-    if STAGE_RUNS[stage] is None:
-        out = tmp_path_factory.mktemp(f"{stage}-run")
-        torchrun(2, KIT_ROOT / "solutions" / f"train_gpt2_{stage}.py", "--preset", "tiny",
-                 "--device", "cpu", "--max-steps", "2", "--eval-interval", "2", "--eval-steps",
-                 "1", "--sample-tokens", "0", "--data", request.getfixturevalue("builtin_data"),
-                 "--out", out)
-        return out
+def run_directory(request, stage):
     found = request.getfixturevalue(STAGE_RUNS[stage])
-    return found[0] if isinstance(found, tuple) else found  # fsdp's comes with its stdout
+    return found[0] if isinstance(found, tuple) else found  # fsdp's, tp's and pp's: and stdout
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +33,7 @@ def std_run(std_twenty_steps):
 def exported(request, tmp_path_factory):
     """(run directory, export directory) of a short run of each stage."""
     stage = request.param
-    run_dir = run_directory(request, stage, tmp_path_factory)
+    run_dir = run_directory(request, stage)
     out = tmp_path_factory.mktemp(f"{stage}-hf") / "model"
     hfexport.export(run_dir, out)
     return run_dir, out

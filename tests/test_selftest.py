@@ -1,7 +1,7 @@
 """`python -m coursekit selftest` on this machine's CPU, as an instructor runs it on a new node: the
 stages train, the report says what it measured, and a failure is one line. Here with the tensor-
-parallel stage alone (--stages tp), which needs 2 processes of one node: every other stage trains
-across the 2 nodes of the Slurm test cluster, from the self-test's batch file (tests/test_slurm.py)."""
+parallel stage alone (--stages tp), which needs 2 processes of one node; the self-test's batch file
+trains across the 2 nodes of the Slurm test cluster (tests/test_slurm.py)."""
 import json
 import subprocess
 import sys
