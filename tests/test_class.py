@@ -273,7 +273,7 @@ def class_run():
             nbgrader(user, "fetch_feedback", LESSON, cwd=kits[user])
         nbgrader(INSTRUCTOR, "export", "--to", "grades.csv", cwd=course)
         summary = as_user(INSTRUCTOR, "python", "-m", "coursekit", "grades", LESSON, "--plot",
-                          "grades-01.png", cwd=course)
+                          "grades-00.png", cwd=course)
         with tempfile.NamedTemporaryFile("w", suffix=".json") as hidden:  # outside base
             json.dump(sorted(hidden_test_lines()), hidden)
             hidden.flush()
@@ -315,7 +315,7 @@ def test_the_summary_says_who_was_late_missing_or_not_graded_and_what_to_teach_a
     _, unsolved = points()
     teach_again = class_run["summary"].splitlines()[-2]
     assert teach_again == "teach again first: " + ", ".join(f"{cell} (50%)" for cell in unsolved)
-    plot = class_run["course"] / "grades-01.png"
+    plot = class_run["course"] / "grades-00.png"
     assert plot.read_bytes().startswith(b"\x89PNG") and plot.stat().st_size > 5000
 
 
