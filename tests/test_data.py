@@ -1,6 +1,7 @@
 """The offline tokenizer, the builtin corpus and the FineWeb-Edu path (on a local sample)."""
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import sysconfig
@@ -9,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from coursekit import KitError, data
+from coursekit import KIT_ROOT, KitError, data
 
 pytestmark = pytest.mark.unit
 
@@ -190,6 +191,43 @@ def test_hub_names_load_at_a_pinned_or_given_revision(tmp_path):
     assert hub.name_and_revision("openai-community/gpt2") == \
         ("openai-community/gpt2", "607a30d783dfa663caf39e06633721c8d4cfcd7e")
     assert hub.name_and_revision("yahma/alpaca-cleaned@abc123") == ("yahma/alpaca-cleaned", "abc123")
-    assert hub.name_and_revision("yahma/alpaca-cleaned") == ("yahma/alpaca-cleaned", None)
+    assert hub.name_and_revision("yahma/alpaca-cleaned") == \
+        ("yahma/alpaca-cleaned", "12567cabf869d7c92e573c7c783905fc160e9639")
+    assert hub.name_and_revision("someone/data") == ("someone/data", None)  # not the kit's
     assert hub.name_and_revision(str(tmp_path)) == (str(tmp_path), None)  # a local folder
     assert all(len(commit) == 40 and int(commit, 16) >= 0 for commit in hub.PINNED.values())
+
+
+# Where the kit's texts name a hub repository: a download command, a loading call, a stage flag.
+HUB_DOWNLOAD = re.compile(r"hf download ([\w.-]+/[\w.-]+)([^\n]*)")
+HUB_LOADING_CALL = re.compile(r"(?:load_dataset|from_pretrained)\(\s*['\"]([\w.-]+/[\w.-]+)['\"]([^)]*)\)")
+HUB_FLAG = re.compile(r"--(?:model|data) ([\w.-]+/[\w.@<>-]+)")
+
+
+def kit_texts():
+    """Every text a trainee or an instructor reads or runs: lessons, book, README, code."""
+    listed = subprocess.run(["git", "ls-files", "*.md", "*.py", "*.yaml", "*.yml"], cwd=KIT_ROOT,
+                            capture_output=True, text=True, check=True).stdout.split()
+    return {name: (KIT_ROOT / name).read_text() for name in listed
+            if not name.startswith("tests/")}
+
+
+def test_every_hub_repository_the_kit_names_is_pinned_and_downloaded_at_its_pin():
+    from coursekit import hub
+    named, unpinned = set(), []
+    for path, text in kit_texts().items():
+        for pattern in (HUB_DOWNLOAD, HUB_LOADING_CALL):
+            for match in pattern.finditer(text):
+                name, rest = match.groups()
+                named.add(name)
+                if hub.PINNED.get(name, "unpinned") not in rest:
+                    unpinned.append(f"{path}: {match.group(0)}")
+        for match in HUB_FLAG.finditer(text):
+            name, _, revision = match.group(1).partition("@")
+            if not name.startswith(("data/", "runs/", "models/")) and not revision:
+                named.add(name)
+                if name not in hub.PINNED:
+                    unpinned.append(f"{path}: {match.group(0)}")
+    assert not unpinned, "hub names without the kit's pinned revision:\n" + "\n".join(unpinned)
+    assert {"openai-community/gpt2", "HuggingFaceTB/SmolLM2-135M", "yahma/alpaca-cleaned",
+            "uoft-cs/cifar10"} <= named  # the patterns still find what the kit's texts name

@@ -578,6 +578,7 @@ print(f"saved: {', '.join(sorted(p.name for p in sharded.iterdir()))}")
 #                                   bnb_4bit_use_double_quant=True,
 #                                   bnb_4bit_compute_dtype=torch.bfloat16)
 # model = AutoModelForCausalLM.from_pretrained("HuggingFaceTB/SmolLM2-135M",
+#                                              revision="93efa2f097d58c2a74874c7e644dbc9b0cee75a2",
 #                                              quantization_config=quantisation,
 #                                              device_map={"": 0})
 # model = prepare_model_for_kbit_training(model)  # fp32 norms, input gradients for checkpointing
@@ -634,11 +635,14 @@ assert setup["LoRA r=16 on the 7B model, 1 GPU of 16 GB"] == "qlora"
 # split, so the stage holds 200 out).
 #
 # Compute nodes are often offline. Download both on a **login node** first, into the cache
-# (`HF_HOME`, on a file system the compute nodes see):
+# (`HF_HOME`, on a file system the compute nodes see). The kit names each at a fixed commit
+# (`coursekit/hub.py`), so that a repository that changes on the hub does not change the
+# lesson; download that revision:
 #
 # ```bash
-# hf download HuggingFaceTB/SmolLM2-135M
-# python -c "import datasets; datasets.load_dataset('yahma/alpaca-cleaned')"
+# hf download HuggingFaceTB/SmolLM2-135M --revision 93efa2f097d58c2a74874c7e644dbc9b0cee75a2
+# python -c "import datasets; datasets.load_dataset('yahma/alpaca-cleaned', \
+#     revision='12567cabf869d7c92e573c7c783905fc160e9639')"
 # ```
 #
 # Jobs then set `HF_HUB_OFFLINE=1`, so that `transformers` and `datasets` read only the cache
