@@ -253,17 +253,26 @@ class StopSignal:
         return torch.tensor(float(self.received is not None), device=device)
 
 
-def rng_state(device):
-    state = {"cpu": torch.get_rng_state()}
+def loop_state(precision, device):
+    """What a checkpoint keeps besides the model, the optimiser and the data's position, so that
+    a resumed run takes the steps the uninterrupted one would have: the random generators, and
+    fp16's loss scale with the count of steps since it last changed (empty in bf16 and fp32).
+    Without the scale a resumed fp16 run would start again at 65,536 and skip steps to find it."""
+    rng = {"cpu": torch.get_rng_state()}
     if device.type == "cuda":
-        state["cuda"] = torch.cuda.get_rng_state(device)
-    return state
+        rng["cuda"] = torch.cuda.get_rng_state(device)
+    return {"rng": rng, "scaler": precision.scaler.state_dict()}
 
 
-def set_rng_state(state, device):
-    torch.set_rng_state(state["cpu"])
+def restore_loop_state(checkpoint, precision, device):
+    """Set what :func:`loop_state` kept in ``checkpoint``."""
+    torch.set_rng_state(checkpoint["rng"]["cpu"])
     if device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda"], device)
+        torch.cuda.set_rng_state(checkpoint["rng"]["cuda"], device)
+    # A checkpoint of a bf16 or fp32 run has no scale: an fp16 run resumed from it starts at the
+    # scaler's first scale, as a new run does.
+    if checkpoint.get("scaler"):
+        precision.scaler.load_state_dict(checkpoint["scaler"])
 
 
 # --- data to the device -----------------------------------------------------------------------

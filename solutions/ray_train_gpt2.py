@@ -61,7 +61,8 @@ def train_loop(config):
     run_config = training.run_config(args, preset, model_config,
                                      sum(p.numel() for p in model.parameters()), device,
                                      precision, grad_accum=grad_accum, world_size=world_size)
-    start_step = ddp.resume(run_dir, model, optimizer, train_loader, device) if args.resume else 0
+    start_step = (ddp.resume(run_dir, model, optimizer, train_loader, precision, device)
+                  if args.resume else 0)
     if rank == 0:
         training.print_banner(run_config, train_loader.total_tokens)
         runs.start_run(run_dir, run_config, start_step)
@@ -99,7 +100,8 @@ def train_loop(config):
             print(training.step_line(record, args, step == start_step), flush=True)
             runs.append_metrics(run_dir, record)
             if done % args.ckpt_interval == 0 or done == args.max_steps or stopping:
-                ddp.save_checkpoint(run_dir, done, model, optimizer, train_loader, device)
+                ddp.save_checkpoint(run_dir, done, model, optimizer, train_loader, precision,
+                                    device)
         if stopping and done < args.max_steps:
             if rank == 0:
                 print(f"stop asked ({STOP_FILE} in the run directory): checkpoint saved at step "

@@ -114,16 +114,16 @@ def evaluate(model, val_loader, eval_steps, device, precision):
     return (total / eval_steps).item()
 
 
-def save_checkpoint(run_dir, step, model, optimizer, train_loader, device):
+def save_checkpoint(run_dir, step, model, optimizer, train_loader, precision, device):
     runs.save_checkpoint(run_dir, step, {
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "train_loader": train_loader.state_dict(),
-        "rng": training.rng_state(device),
+        **training.loop_state(precision, device),
     })
 
 
-def resume(run_dir, model, optimizer, train_loader, device):
+def resume(run_dir, model, optimizer, train_loader, precision, device):
     """Restore the newest intact checkpoint, if any; return the number of steps already done."""
     path = runs.checkpoint_to_resume(run_dir)
     if path is None:
@@ -133,7 +133,7 @@ def resume(run_dir, model, optimizer, train_loader, device):
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     train_loader.load_state_dict(state["train_loader"])
-    training.set_rng_state(state["rng"], device)
+    training.restore_loop_state(state, precision, device)
     print(f"resumed from {path} at step {step}")
     return step
 
@@ -173,7 +173,8 @@ def main(argv=None):
     training.print_banner(run_config, train_loader.total_tokens)
     run_dir = Path(args.out)
     runs.make_run_dir(run_dir)
-    start_step = resume(run_dir, model, optimizer, train_loader, device) if args.resume else 0
+    start_step = (resume(run_dir, model, optimizer, train_loader, precision, device)
+                  if args.resume else 0)
     if rank == 0:
         runs.start_run(run_dir, run_config, start_step)
     tracker = tracking.start(args.track, run_dir, resumed=start_step > 0)
@@ -219,7 +220,7 @@ def main(argv=None):
         training.stop_if_diverged(record, run_dir, precision)  # before a checkpoint keeps NaNs
 
         if rank == 0 and (done % args.ckpt_interval == 0 or done == args.max_steps or stopping):
-            save_checkpoint(run_dir, done, model, optimizer, train_loader, device)
+            save_checkpoint(run_dir, done, model, optimizer, train_loader, precision, device)
         if stopping and done < args.max_steps:
             print(f"{stop.received} received: checkpoint saved at step {done}; "
                   "rerun with --resume to continue", flush=True)

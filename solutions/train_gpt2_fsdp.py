@@ -143,16 +143,16 @@ def evaluate(model, val_loader, eval_steps, device, precision):
 STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def training_state(model, optimizer, train_loader, device):
+def training_state(model, optimizer, train_loader, precision, device):
     """What a checkpoint holds. The model and optimiser entries are this rank's part of them."""
     model_state, optimizer_state = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
     return {"model": model_state, "optimizer": optimizer_state,
-            "train_loader": train_loader.state_dict(), "rng": training.rng_state(device)}
+            "train_loader": train_loader.state_dict(), **training.loop_state(precision, device)}
 
 
-def save_checkpoint(run_dir, step, model, optimizer, train_loader, device):
+def save_checkpoint(run_dir, step, model, optimizer, train_loader, precision, device):
     """Every rank writes its part in parallel (torch.distributed.checkpoint); rank 0 publishes."""
-    state = training_state(model, optimizer, train_loader, device)
+    state = training_state(model, optimizer, train_loader, precision, device)
     with runs.room_for_checkpoint(run_dir, step, runs.state_bytes(state)):
         dcp.save(state, checkpoint_id=runs.unpublished_checkpoint(run_dir, step))
         if dist.get_rank() == 0:
@@ -160,18 +160,18 @@ def save_checkpoint(run_dir, step, model, optimizer, train_loader, device):
     dist.barrier()
 
 
-def resume(run_dir, model, optimizer, train_loader, device):
+def resume(run_dir, model, optimizer, train_loader, precision, device):
     """Restore the newest intact checkpoint, if any; return the number of steps already done."""
     path = runs.checkpoint_to_resume(run_dir)
     if path is None:
         print(f"no checkpoint in {run_dir}: starting from step 0")
         return 0
-    state = training_state(model, optimizer, train_loader, device)
+    state = training_state(model, optimizer, train_loader, precision, device)
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"],
                    optim_state_dict=state["optimizer"], options=STATE_DICT_OPTIONS)
     train_loader.load_state_dict(state["train_loader"])
-    training.set_rng_state(state["rng"], device)
+    training.restore_loop_state(state, precision, device)
     step = runs.checkpoint_step(path)
     print(f"resumed from {path} at step {step}")
     return step
@@ -219,7 +219,8 @@ def main(argv=None):
     training.print_banner(run_config, train_loader.total_tokens)
     run_dir = Path(args.out)
     runs.make_run_dir(run_dir)
-    start_step = resume(run_dir, model, optimizer, train_loader, device) if args.resume else 0
+    start_step = (resume(run_dir, model, optimizer, train_loader, precision, device)
+                  if args.resume else 0)
     if rank == 0:
         runs.start_run(run_dir, run_config, start_step)
     tracker = tracking.start(args.track, run_dir, resumed=start_step > 0)
@@ -267,7 +268,7 @@ def main(argv=None):
         training.stop_if_diverged(record, run_dir, precision)  # before a checkpoint keeps NaNs
 
         if done % args.ckpt_interval == 0 or done == args.max_steps or stopping:  # every rank
-            save_checkpoint(run_dir, done, model, optimizer, train_loader, device)
+            save_checkpoint(run_dir, done, model, optimizer, train_loader, precision, device)
         if stopping and done < args.max_steps:
             print(f"{stop.received} received: checkpoint saved at step {done}; "
                   "rerun with --resume to continue", flush=True)

@@ -402,8 +402,7 @@ def step_line(record, max_steps):
 def save_checkpoint(run_dir, step, model, optimizer, batches, precision, device):
     runs.save_checkpoint(run_dir, step, {
         "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-        "scaler": precision.scaler.state_dict(), "batches": batches.state_dict(),
-        "rng": training.rng_state(device)})
+        "batches": batches.state_dict(), **training.loop_state(precision, device)})
 
 
 def resume(run_dir, model, optimizer, batches, precision, device):
@@ -415,9 +414,8 @@ def resume(run_dir, model, optimizer, batches, precision, device):
     step, state = runs.read_checkpoint(path)
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
-    precision.scaler.load_state_dict(state["scaler"])
     batches.load_state_dict(state["batches"])
-    training.set_rng_state(state["rng"], device)
+    training.restore_loop_state(state, precision, device)
     print(f"resumed from {path} at step {step}")
     return step
 

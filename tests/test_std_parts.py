@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from coursekit import stages
+from coursekit import runs, stages, training
 from solutions import gpt
 
 pytestmark = pytest.mark.unit
@@ -143,3 +143,43 @@ def test_a_pipeline_stage_keeps_blocks_by_index_and_passes_the_stream_on():
     assert torch.equal(logits, whole(idx))
     assert gpt.cross_entropy(logits, idx).item() == pytest.approx(
         F.cross_entropy(whole(idx).view(-1, 100), idx.view(-1)).item())
+
+
+def fp16_training_parts(data_dir, scale=None):
+    """A tiny GPT, its optimiser and loader, and fp16 on the CPU, as the std stage makes them;
+    the loss scaler set to ``scale`` (its state_dict) if given."""
+    cpu = torch.device("cpu")
+    model = std.GPT(std.GPTConfig(vocab_size=512, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    optimizer = std.configure_optimizer(model, 1e-3, 0.1, cpu)
+    loader = std.TokenShardLoader(data_dir, "train", B=1, T=8)
+    precision = training.Precision("fp16", cpu)
+    if scale:
+        precision.scaler.load_state_dict(scale)
+    return model, optimizer, loader, precision, cpu
+
+
+def test_a_resumed_fp16_run_keeps_its_loss_scale(tmp_path):
+    """A scale the run had lowered (after overflows) and 7 steps towards doubling it again: a run
+    resumed from the checkpoint goes on from both, instead of 65,536 and 0."""
+    make_shards(tmp_path, [100])
+    lowered = {"scale": 1024.0, "growth_factor": 2.0, "backoff_factor": 0.5,
+               "growth_interval": 2000, "_growth_tracker": 7}
+    run_dir = tmp_path / "run"
+    runs.make_run_dir(run_dir)
+    std.save_checkpoint(run_dir, 3, *fp16_training_parts(tmp_path, lowered))
+    model, optimizer, loader, precision, cpu = fp16_training_parts(tmp_path)
+    assert precision.scaler.state_dict() != lowered  # a new scaler starts elsewhere
+    assert std.resume(run_dir, model, optimizer, loader, precision, cpu) == 3
+    assert precision.scaler.state_dict() == lowered
+
+
+def test_an_fp16_run_resumed_from_a_bf16_checkpoint_starts_at_the_first_scale(tmp_path):
+    make_shards(tmp_path, [100])
+    run_dir = tmp_path / "run"
+    runs.make_run_dir(run_dir)
+    model, optimizer, loader, _, cpu = fp16_training_parts(tmp_path)
+    std.save_checkpoint(run_dir, 2, model, optimizer, loader, training.Precision("bf16", cpu), cpu)
+    model, optimizer, loader, precision, cpu = fp16_training_parts(tmp_path)
+    first_scale = precision.scaler.state_dict()
+    assert std.resume(run_dir, model, optimizer, loader, precision, cpu) == 2
+    assert precision.scaler.state_dict() == first_scale
