@@ -234,7 +234,7 @@ def choose_precision(device, requested="auto", loss_scaling=True):
     return name
 
 
-# --- stopping, and the random state -----------------------------------------------------------
+# --- stopping, and the loop's state -----------------------------------------------------------
 
 class StopSignal:
     """Slurm sends SIGUSR1 (with --signal) or SIGTERM before it stops a job: finish the step,
@@ -251,6 +251,13 @@ class StopSignal:
     def flag(self, device):
         """1.0 once a signal came, else 0.0: sent with the loss, so that all stop together."""
         return torch.tensor(float(self.received is not None), device=device)
+
+    def stopped_line(self, step):
+        """What a process prints when it stops at ``step``: its signal, or, where the signal
+        reached other processes only, that it stops with them."""
+        cause = (f"{self.received} received" if self.received
+                 else "a stop signal to another process")
+        return f"{cause}: checkpoint saved at step {step}; rerun with --resume to continue"
 
 
 def loop_state(precision, device):

@@ -598,9 +598,7 @@ def main(argv=None):
         if done % args.ckpt_interval == 0 or done == args.max_steps or stopping:
             save_checkpoint(accelerator, run_dir, done)
         if stopping and done < args.max_steps:
-            accelerator.print(f"{stop.received or 'a stop signal'} received: checkpoint saved "
-                              f"at step {done}; "
-                              "rerun with --resume to continue", flush=True)
+            accelerator.print(stop.stopped_line(done), flush=True)
             break
 
     if done == args.max_steps:

@@ -209,8 +209,7 @@ def main(argv=None):
         if done % args.ckpt_interval == 0 or done == args.max_steps or stopping:
             save_checkpoint(run_dir, done, model, optimizer, train_loader, precision, device)
         if stopping and done < args.max_steps:
-            print(f"{stop.received} received: checkpoint saved at step {done}; "
-                  "rerun with --resume to continue", flush=True)
+            print(stop.stopped_line(done), flush=True)
             break
 
     memory.report(run_dir, model, optimizer, device)

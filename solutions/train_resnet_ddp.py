@@ -367,8 +367,7 @@ def main(argv=None):
             if done % args.ckpt_interval == 0 or done == args.max_steps or stopping:
                 save_checkpoint(run_dir, done, model, optimizer, batches, precision, device)
         if stopping and done < args.max_steps:
-            print(f"{stop.received} received: checkpoint saved at step {done}; "
-                  "rerun with --resume to continue", flush=True)
+            print(stop.stopped_line(done), flush=True)
             break
 
     del ddp_model  # its reducer holds the group: free it first

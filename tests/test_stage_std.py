@@ -119,8 +119,12 @@ def test_both_signals_slurm_sends_before_a_stop_are_caught_alike():
     try:
         stop = training.StopSignal()
         assert signal.getsignal(signal.SIGTERM) == signal.getsignal(signal.SIGUSR1) == stop.handle
+        # a process that stops because another one was signalled says so (not "None received")
+        assert stop.stopped_line(7) == ("a stop signal to another process: checkpoint saved at "
+                                        "step 7; rerun with --resume to continue")
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.received == "SIGTERM"
+        assert stop.stopped_line(7).startswith("SIGTERM received: checkpoint saved at step 7;")
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
