@@ -116,12 +116,15 @@ def this_rank():
 
 
 def where(err):
-    """ at script.py:LINE (the line): the innermost frame of the training script itself, not of
-    the kit or a library; "" if there is none."""
+    """ at script.py:LINE (the line's code): the innermost frame of the training script itself,
+    not of the kit or a library; "" if there is none."""
     kit = Path(__file__).parent
     ours = [f for f in traceback.extract_tb(err.__traceback__) if "site-packages" not in f.filename
             and not f.filename.startswith(sys.prefix) and Path(f.filename).parent != kit]
-    return f" at {Path(ours[-1].filename).name}:{ours[-1].lineno} ({ours[-1].line})" if ours else ""
+    if not ours:
+        return ""
+    code = ours[-1].line.split("  # ")[0]  # without the comment (PEP 8: two spaces before it)
+    return f" at {Path(ours[-1].filename).name}:{ours[-1].lineno} ({code})"
 
 
 def collective_failure(err):
