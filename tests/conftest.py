@@ -298,10 +298,14 @@ def apt_install(packages):
     install = [*apt, "install", "-y", "--no-install-recommends", *packages]
     quiet = {"capture_output": True, "text": True,
              "env": {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}}
-    runs = [subprocess.run(install, **quiet)]
-    if runs[-1].returncode != 0:
-        # A fresh image has no package lists yet.
-        runs += [subprocess.run([*apt, "update"], **quiet), subprocess.run(install, **quiet)]
+    # The workers install their tools one at a time: apt-get update fails at once, whatever
+    # the timeout, while another worker's holds the package lists (apt 2.6).
+    with open("/run/lock/coursekit-apt-get.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        runs = [subprocess.run(install, **quiet)]
+        if runs[-1].returncode != 0:
+            # A fresh image has no package lists yet.
+            runs += [subprocess.run([*apt, "update"], **quiet), subprocess.run(install, **quiet)]
     return "\n".join(f"$ {' '.join(done.args)}  (exit {done.returncode})\n"
                      f"{(done.stdout + done.stderr)[-3000:]}" for done in runs)
 

@@ -22,7 +22,7 @@ import urllib.request
 import psutil
 import pytest
 
-from conftest import http_get, owner_login
+from conftest import debian_tool, http_get, owner_login
 from coursekit import KIT_ROOT, data, images, runs, slurm, widgets
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -90,8 +90,8 @@ def cluster(tmp_path_factory):
     """A Slurm cluster of 2 nodes on this machine, up for the session, stopped by PID after it."""
     if os.geteuid() != 0:
         pytest.skip("the Slurm test cluster needs root: it starts munged, slurmctld and slurmd")
-    if not shutil.which("slurmctld") and not shutil.which("apt-get"):
-        pytest.skip("Slurm is not installed and there is no apt-get to install it from Debian")
+    # installed here, where the other tests' installs wait for each other (conftest.apt_install)
+    debian_tool("slurmctld", "slurmctld", "slurmd", "slurm-client", "munge")
     directory = tmp_path_factory.mktemp("slurm-ci")
     env = {**os.environ, "SLURM_CI_DIR": str(directory), **cluster_shapes()}
     up = subprocess.run(["bash", str(KIT_ROOT / "tests" / "slurm" / "cluster-up.sh")], env=env,

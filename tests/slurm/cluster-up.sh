@@ -24,8 +24,11 @@ sites=${SLURM_CI_SITES:-}
 
 if ! command -v slurmctld >/dev/null || ! command -v slurmd >/dev/null \
    || ! command -v sbatch >/dev/null || ! command -v munged >/dev/null; then
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+  # (the test suite installs these first, with its other tools: tests/conftest.py apt_install)
+  # another apt-get may hold the package database's lock: wait for it instead of failing at once
+  apt=(apt-get -o DPkg::Lock::Timeout=300)
+  "${apt[@]}" update -qq
+  DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq --no-install-recommends \
     slurmctld slurmd slurm-client munge >/dev/null
 fi
 
