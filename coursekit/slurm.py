@@ -32,6 +32,7 @@ On GPU sites every training job samples GPU utilisation and memory every 10 s on
 Every training job asks Slurm for SIGUSR1 before its time limit (--signal=B:USR1@S), passes it on
 to the training processes, which checkpoint and exit, and requeues itself; `--resume` continues.
 """
+import math
 import re
 import shlex
 from dataclasses import dataclass
@@ -78,7 +79,13 @@ FIELDS = {
     "resnet_args": (str, "extra flags of the resnet stage (solutions/train_resnet_ddp.py), or "
                          "empty"),
     "signal_seconds": (int, "seconds before the time limit at which the job checkpoints"),
+    "busbw_intra_node": ((int, float), "the all-reduce bus bandwidth expected between the GPUs of "
+                                       "a node, GB/s, or null where none is known"),
+    "busbw_inter_node": ((int, float), "the all-reduce bus bandwidth expected across nodes, GB/s, "
+                                       "or null where none is known"),
 }
+#: The fields the self-test compares a measured bus bandwidth with (below half: flagged)
+BANDWIDTH_FIELDS = ("busbw_intra_node", "busbw_inter_node")
 
 #: What the text fields may hold. Every value ends up in a batch file, so a character that means
 #: something to the shell (a newline, a quote, `$(`, `;`) would let a profile run commands where
@@ -174,7 +181,9 @@ def load_site(name, root=KIT_ROOT):
     for field, (kind, meaning) in FIELDS.items():
         if field not in profile:
             raise KitError(f"{path}: field '{field}' is missing ({meaning})")
-        if not isinstance(profile[field], kind) or isinstance(profile[field], bool):
+        if field in BANDWIDTH_FIELDS:
+            check_bandwidth(path, field, profile[field])
+        elif not isinstance(profile[field], kind) or isinstance(profile[field], bool):
             raise KitError(f"{path}: field '{field}' must be a {kind.__name__} ({meaning}), "
                            f"got {profile[field]!r}")
     unknown = sorted(set(profile) - set(FIELDS))
@@ -191,6 +200,16 @@ def load_site(name, root=KIT_ROOT):
     profile["topologies"] = [parse_topology(t, path, profile["gpus_per_node"])
                              for t in profile["topologies"]]
     return profile
+
+
+def check_bandwidth(path, field, value):
+    """A bus bandwidth is a number of GB/s above 0, or null: none known, so no threshold."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0 < value < math.inf:
+        raise KitError(f"{path}: field '{field}' is {value!r}; use the expected all-reduce bus "
+                       "bandwidth in GB/s, a number above 0, or null where none is known")
 
 
 def check_side_channel(path, env):
@@ -319,21 +338,28 @@ def sbatch_lines(profile, job_name, nodes, tasks_per_node, cpus_per_task, gpus=0
     return [f"#SBATCH {line}" for line in lines]
 
 
-def batch_split_flags(stage, profile, topology, replicas):
-    """Flags that make the preset's minibatch split evenly over the data-parallel replicas, in
-    micro-batches that fit the GPU: the largest up to the preset's that does both keeps the recipe
-    (the same tokens per step, only the memory changes). When none splits evenly, the minibatch
-    grows to the next multiple of micro-batch x sequence x replicas."""
+def batch_split(stage, profile, topology, replicas):
+    """(micro-batch, tokens per step) that split the preset's minibatch evenly over the
+    data-parallel replicas, in micro-batches that fit the GPU: the largest up to the preset's that
+    does both keeps the recipe (the same tokens per step, only the memory changes). When none
+    splits evenly, the minibatch grows to the next multiple of micro-batch x sequence x replicas."""
     preset = presets.get_preset(profile["preset"])
     fitting = fitting_micro_batches(stage, profile, topology)
     per_sample = preset.seq_len * replicas
-    micro_flag = lambda micro: "" if micro == preset.micro_batch else f"--micro-batch {micro}"  # noqa: E731
     for micro in fitting:
         if preset.batch_tokens % (micro * per_sample) == 0:
-            return micro_flag(micro)
+            return micro, preset.batch_tokens
     per_step = fitting[0] * per_sample
-    return " ".join([micro_flag(fitting[0]),
-                     f"--batch-tokens {-(-preset.batch_tokens // per_step) * per_step}"]).strip()
+    return fitting[0], -(-preset.batch_tokens // per_step) * per_step
+
+
+def batch_split_flags(stage, profile, topology, replicas):
+    """The flags of batch_split's micro-batch and tokens per step where they are not the preset's."""
+    preset = presets.get_preset(profile["preset"])
+    micro, batch_tokens = batch_split(stage, profile, topology, replicas)
+    flags = [f"--micro-batch {micro}"] if micro != preset.micro_batch else []
+    flags += [f"--batch-tokens {batch_tokens}"] if batch_tokens != preset.batch_tokens else []
+    return " ".join(flags)
 
 
 def one_task_per_gpu(stage, profile):
@@ -357,8 +383,9 @@ def launch_command(stage, profile, topology, run_dir):
                     + f"{srun} {launch.PER_NODE_SHELL} torchrun",
                     " ".join(options[:-2]), " ".join(options[-2:])]
     script, extra = training_arguments(stage, profile, topology, run_dir)
-    if profile["gpu_vendor"] == "none":
-        extra += ["--device", "cpu"]
+    # a GPU site names its device: a torch without GPU support then fails at once, rather than
+    # training on the CPU (ROCm's torch calls its GPUs cuda too)
+    extra += ["--device", "cpu" if profile["gpu_vendor"] == "none" else "cuda"]
     if stage == "lit":
         extra += ["--devices", str(topology.gpus), "--num-nodes", str(topology.nodes)]
     return " \\\n    ".join(launcher + [script] + ([" ".join(extra)] if extra else []))
@@ -507,7 +534,16 @@ def job_preamble(profile, threads):
             *profile["setup"],
             *(f'export {name}="{value}"' for name, value in profile["env"].items()),
             *(private_miopen_cache() if profile["gpu_vendor"] == "amd" else []),
+            *SRUN_CPUS,
             f"export OMP_NUM_THREADS={threads}  # the CPU cores each process was given"]
+
+
+#: srun passes the job's --cpus-per-task to its steps only when told to on Slurm 22.05 to 23.02:
+#: without it, a step's processes (torchrun, its workers, their compile workers) share one core.
+SRUN_CPUS = ["# srun steps get the job's cores per task: Slurm 22.05 stopped passing them on (release",
+             "# notes: https://github.com/SchedMD/slurm/blob/slurm-22.05/RELEASE_NOTES; srun(1):",
+             "# https://slurm.schedmd.com/srun.html#OPT_SRUN_CPUS_PER_TASK)",
+             'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"']
 
 
 def private_miopen_cache():
@@ -617,8 +653,7 @@ def selftest_job(profile, topology):
                    f"{'GPU(s)' if profile['gpu_vendor'] != 'none' else 'process(es)'}: every "
                    f"stage on one device and on all, all-reduce bandwidth, offline files; the "
                    f"report in {out}/selftest.md.", profile, site)
-    lines += ["# It trains on the builtin corpus: python -m coursekit data prepare --source builtin "
-              "--out data/builtin"]
+    lines += [f"# It trains on {profile['data']}, which batch-data.sh prepares: submit that first."]
     lines += sbatch_lines(profile, f"selftest-{topology.name}", topology.nodes, 1,
                           profile["cpus_per_gpu"] * topology.gpus, topology.gpus, requeue=False)
     threads = ("$SLURM_CPUS_PER_TASK" if topology.gpus == 1
@@ -628,8 +663,21 @@ def selftest_job(profile, topology):
               'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
               "export MASTER_ADDR",
               f"python -m coursekit selftest --nodes {topology.nodes} --per-node {topology.gpus} "
-              f"--preset {profile['preset']} --out {out}{selftest_steps(profile)}"]
+              f"--preset {profile['preset']} --data {profile['data']} --out {out} "
+              f"{selftest_flags(profile, topology)}"]
     return "\n".join(lines) + "\n"
+
+
+def selftest_flags(profile, topology):
+    """The self-test trains at the ddp job's micro-batch of the same shape (what the course's jobs
+    will hold), and flags an all-reduce slower than half the profile's bus bandwidth: inside a
+    node on one, across nodes on several."""
+    micro, _ = batch_split("ddp", profile, topology, topology.processes)
+    flags = [f"--micro-batch {micro}"]
+    busbw = profile["busbw_inter_node" if topology.nodes > 1 else "busbw_intra_node"]
+    if busbw is not None:
+        flags.append(f"--expected-busbw {busbw:g}")
+    return " ".join(flags) + selftest_steps(profile)
 
 
 def ray_job(profile, topology):

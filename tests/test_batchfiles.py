@@ -1,15 +1,23 @@
 """Batch files: the committed ones are the generator's output, pass shellcheck, and a bad site
 profile gets a one-line error naming the field."""
+import argparse
+import contextlib
+import importlib
+import io
+import json
+import math
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from coursekit import KIT_ROOT, KitError, presets, slurm
+from coursekit import KIT_ROOT, KitError, cli, data, images, presets, slurm, training
 
 pytestmark = pytest.mark.unit
 BATCH_FILES = sorted(str(p.relative_to(KIT_ROOT)) for p in KIT_ROOT.glob("batchfiles/*/*.sh"))
@@ -108,7 +116,8 @@ def test_a_40_gb_gpu_halves_gpt2s_micro_batch_and_keeps_its_tokens_per_step():
     """The preset's 64 x 1,024 tokens per microbatch need about 56 GB under DDP in bf16 (with the
     loss's gradients over 50,304 logits a token): 32 fit a 40 GB A100; 80 GB GPUs take 64."""
     meluxina, isambard = slurm.load_site("meluxina"), slurm.load_site("isambard-ai")
-    assert "--micro-batch 32 &\n" in slurm.training_job("ddp", slurm.Topology(1, 4), meluxina)
+    assert "--micro-batch 32 --device cuda &\n" in slurm.training_job("ddp", slurm.Topology(1, 4),
+                                                                      meluxina)
     assert "--micro-batch" not in slurm.training_job("ddp", slurm.Topology(1, 4), isambard)
     # a study's trials too, in a divisor of 64 that keeps the study's batch sizes the preset's
     assert "--micro-batch 32 \\\n" in slurm.hpo_job(meluxina, slurm.Topology(1, 1))
@@ -249,3 +258,204 @@ def test_amd_jobs_put_the_miopen_cache_where_no_one_else_can_create_it_first(tmp
         assert cache.parent == tmp_path and cache != squatted
         assert cache.is_dir() and cache.stat().st_mode & 0o777 == 0o700
     assert "/tmp/$USER" not in job
+
+
+# --- every real site's command lines, through the stages' own checks ---------------------------
+REAL_SITES = [site for site in slurm.site_names() if site != "ci"]
+#: a stage's script (or the self-test) and its arguments, up to the end of the job step's line
+STAGE_LAUNCH = re.compile(r"(?:solutions/(\w+)\.py|-m coursekit (selftest)) .*")
+#: what a process of each topology sees from its launcher (torchrun, srun, accelerate launch)
+LAUNCHED = ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK", "LOCAL_RANK")
+
+
+def commands(text):
+    """The job's command lines with their continuations joined, comments and the kit-root test
+    left out."""
+    return [line.strip() for line in text.replace("\\\n", " ").splitlines()
+            if line.strip() and not line.lstrip().startswith(("#", "test -f"))]
+
+
+def stage_launch(text):
+    """(script, argv) of the stage a batch file runs, its launcher (srun, torchrun, accelerate
+    launch) and their options stripped; None for a file that runs no stage."""
+    for line in commands(text):
+        match = STAGE_LAUNCH.search(line)
+        if match:  # the step's `&` and the closing quote of lora's `bash -c '...'` are the shell's
+            words = shlex.split(match[0].rstrip(" &'"))
+            return match[1] or match[2], words[3 if match[2] else 1:]  # after the script
+    return None
+
+
+def prepare_command(text, what):
+    """The arguments of the data job's `python -m coursekit <what> prepare ...`, as its parser
+    reads them (the job's cores as Slurm would give them)."""
+    line = next(line for line in commands(text) if f"-m coursekit {what} prepare" in line)
+    words = shlex.split(line.replace('"$SLURM_CPUS_PER_TASK"', "8"))
+    return cli.build_parser().parse_args(words[words.index("coursekit") + 1:])
+
+
+def write_token_meta(batch_data):
+    """data/.../meta.json with the token counts batch-data.sh's FineWeb-Edu command writes: its
+    first shard validation, the others training, each of --shard-tokens (data.py's default)."""
+    args = prepare_command(batch_data, "data")
+    assert args.source == "fineweb-edu", "a real site trains on FineWeb-Edu"
+    shard = args.shard_tokens or data.DEFAULT_SHARD_TOKENS
+    Path(args.out).mkdir(parents=True)
+    splits = [SimpleNamespace(split="val", files=[], tokens=shard),
+              SimpleNamespace(split="train", files=[], tokens=(args.shards - 1) * shard)]
+    data.write_meta(args.out, args.source, splits)
+    return {split.split: split.tokens for split in splits}
+
+
+def write_image_meta(batch_images):
+    """The images folder's meta.json as batch-images.sh's command writes it: --count training
+    shapes and a sixth as many for validation, in shards of --shard-size."""
+    args = prepare_command(batch_images, "images")
+    counts = {"train": args.count, "val": max(len(images.CLASSES), args.count // 6)}
+    splits = {split: {"images": n, "shards": [f"{split}-{i:06d}.tar"
+                                              for i in range(math.ceil(n / args.shard_size))]}
+              for split, n in counts.items()}
+    Path(args.out).mkdir(parents=True)
+    (Path(args.out) / "meta.json").write_text(json.dumps(
+        {"source": "shapes", "classes": list(images.CLASSES), "size": args.size,
+         "format": args.image_format, "shard_size": args.shard_size, "splits": splits}))
+
+
+def solution(name):
+    return importlib.import_module(f"solutions.{name}")
+
+
+def parsed(parse, argv):
+    """What a parse_args returns, or the one line it ends the program with."""
+    stderr = io.StringIO()
+    with contextlib.redirect_stderr(stderr):
+        try:
+            return parse(argv)
+        except SystemExit:
+            return stderr.getvalue().strip()
+
+
+def checked(script, argv, processes):
+    """The stage's own parse_args and checks (and those its main makes before training: the
+    minibatch's split over the replicas, the image shards over the loader workers): the parsed
+    arguments, or the line that refuses them."""
+    if script == "selftest":
+        return parsed(lambda a: cli.build_parser().parse_args(["selftest", *a]), argv)
+    args = parsed(solution(script).parse_args, argv)
+    try:
+        if isinstance(args, str):
+            return args
+        if script == "train_resnet_ddp":
+            solution(script).check_shards(args.data, processes, args.workers)
+        elif script in ("train_gpt2_std", "train_gpt2_ddp", "train_gpt2_fsdp", "train_gpt2_tp"):
+            training.batch_split(args, processes // getattr(args, "tp", 1))
+        elif script == "hpo_optuna":
+            return checked_trial(args) or args
+    except KitError as err:
+        return str(err)
+    return args
+
+
+def checked_trial(study):
+    """A study's trial at the preset's own recipe, as its worker builds the trainer's command,
+    through the trainer's checks: a refusal, or None."""
+    preset = presets.get_preset(study.preset)
+    one_node = argparse.Namespace(**{**vars(study), "nodes": 1, "nproc_per_node": study.processes})
+    command = solution("hpo_optuna").trainer_command(
+        one_node, solution("hpo_optuna").default_hyperparameters(preset, study.max_steps,
+                                                                 study.batch_unit), "runs/trial")
+    script = next(i for i, word in enumerate(command) if word.endswith(".py"))
+    trial = checked(Path(command[script]).stem, command[script + 1:], study.processes)
+    return trial if isinstance(trial, str) else None
+
+
+@pytest.mark.parametrize("site", REAL_SITES)
+def test_every_command_a_real_site_runs_passes_its_stages_checks(site, tmp_path, monkeypatch):
+    """Every stage a real site's batch files start, with the files' own arguments, is parsed and
+    checked by the stage itself (the preset's sizes against the data, the minibatch's split, the
+    tensor-parallel size, the loader workers' shards) against the data batch-data.sh and
+    batch-images.sh prepare: what no GPU here can run is still proven as far as the arguments go.
+    This host has no GPU: --device cuda is checked to be there, then parsed as cpu. The self-test
+    must train at the ddp job's micro-batch of its shape, on data whose validation split holds a
+    microbatch for each of its processes."""
+    folder = KIT_ROOT / "batchfiles" / site
+    monkeypatch.chdir(tmp_path)  # the kit's root, as the jobs see it: data/ and runs/ here
+    tokens = write_token_meta((folder / "batch-data.sh").read_text())
+    write_image_meta((folder / "batch-images.sh").read_text())
+    Path("data/instruct").mkdir(parents=True)  # lora's tasks: `coursekit instruct prepare`
+    for split in ("train", "val"):
+        Path(f"data/instruct/{split}.jsonl").touch()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    refused, checked_files = [], 0
+    for path in sorted(folder.glob("batch-*.sh")):
+        launch = stage_launch(path.read_text())
+        if launch is None:
+            continue
+        script, argv = launch
+        nodes, gpus = map(int, re.search(r"-(\d+)n(\d+)g\.sh$", path.name).groups())
+        if script not in ("selftest", "finetune_lora", "hpo_optuna") \
+                and "--device cuda" not in " ".join(argv):
+            refused.append(f"{path.name}: no --device cuda: a torch without GPUs trains on the CPU")
+        argv = ["cpu" if word == "cuda" else word for word in argv]
+        for name, value in zip(LAUNCHED, (nodes * gpus, gpus, 0, 0)):
+            monkeypatch.setenv(name, str(value))
+        if nodes > 1:  # a Slurm job of several nodes: what hpo's trials srun across
+            monkeypatch.setenv("SLURM_JOB_NODELIST", f"node[1-{nodes}]")
+        else:
+            monkeypatch.delenv("SLURM_JOB_NODELIST", raising=False)
+        args = checked(script, argv, nodes * gpus)
+        checked_files += 1
+        if isinstance(args, str):
+            refused.append(f"{path.name}: {args}")
+        elif script == "selftest":
+            refused += selftest_problems(path, args, tokens, nodes * gpus)
+    assert checked_files >= 25, checked_files
+    assert refused == [], "\n".join(refused)
+
+
+def selftest_problems(path, args, tokens, processes):
+    """The self-test's data and micro-batch against the ddp job of its shape and the data."""
+    ddp_file = path.with_name(path.name.replace("selftest", "ddp"))
+    script, ddp_argv = stage_launch(ddp_file.read_text())
+    ddp = checked(script, ["cpu" if word == "cuda" else word for word in ddp_argv], processes)
+    preset = presets.get_preset(args.preset)
+    problems = []
+    if args.data != ddp.data:
+        problems.append(f"{path.name}: --data {args.data}, not the training jobs' {ddp.data}")
+    if args.micro_batch != ddp.micro_batch:
+        problems.append(f"{path.name}: --micro-batch {args.micro_batch}, not {ddp_file.name}'s "
+                        f"{ddp.micro_batch}")
+    needed = (args.micro_batch or preset.micro_batch) * preset.seq_len * processes + 1
+    if needed > tokens["val"]:
+        problems.append(f"{path.name}: a microbatch on each of {processes} processes needs "
+                        f"{needed:,} validation tokens; the data holds {tokens['val']:,}")
+    return problems
+
+
+def test_the_self_test_is_held_to_the_sites_bus_bandwidth():
+    """Inside a node on one node, across nodes on two; none where the profile knows none."""
+    isambard, generic = slurm.load_site("isambard-ai"), slurm.load_site("generic")
+    assert "--expected-busbw 340" in slurm.selftest_job(isambard, slurm.Topology(1, 4))
+    assert "--expected-busbw 90" in slurm.selftest_job(isambard, slurm.Topology(2, 4))
+    assert "--expected-busbw" not in slurm.selftest_job(generic, slurm.Topology(2, 4))
+
+
+@pytest.mark.parametrize("value", [-5, "fast", True, float("nan")])
+def test_a_bad_bus_bandwidth_is_refused_in_one_line(tmp_path, value):
+    import yaml
+    (tmp_path / "batchfiles" / "sites").mkdir(parents=True)
+    profile = yaml.safe_load((KIT_ROOT / "batchfiles" / "sites" / "generic.yml").read_text())
+    profile["busbw_inter_node"] = value
+    (tmp_path / "batchfiles" / "sites" / "bad.yml").write_text(yaml.safe_dump(profile))
+    with pytest.raises(KitError) as error:
+        slurm.load_site("bad", tmp_path)
+    assert str(error.value) == (
+        f"{tmp_path}/batchfiles/sites/bad.yml: field 'busbw_inter_node' is {value!r}; use the "
+        "expected all-reduce bus bandwidth in GB/s, a number above 0, or null where none is known")
+
+
+def test_every_job_gives_its_srun_steps_the_cores_it_asked_for():
+    """Slurm 22.05 to 23.02 do not pass --cpus-per-task on to srun's steps."""
+    for name in BATCH_FILES:
+        text = (KIT_ROOT / name).read_text()
+        assert 'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"\n' in text, name

@@ -25,6 +25,10 @@ source .venv/bin/activate
 export TIKTOKEN_CACHE_DIR="$PWD/.cache/tiktoken"
 export HF_HUB_OFFLINE="1"
 export HF_DATASETS_OFFLINE="1"
+# srun steps get the job's cores per task: Slurm 22.05 stopped passing them on (release
+# notes: https://github.com/SchedMD/slurm/blob/slurm-22.05/RELEASE_NOTES; srun(1):
+# https://slurm.schedmd.com/srun.html#OPT_SRUN_CPUS_PER_TASK)
+export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
 export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK  # the CPU cores each process was given
 # GPU utilisation and memory every 10 s on this (the first) node, while the job runs
 mkdir -p runs/baskerville-lora-1n1g

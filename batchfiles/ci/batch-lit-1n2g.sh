@@ -18,6 +18,10 @@ set -euo pipefail
 test -f solutions/train_gpt2_std.py || { echo "submit from the kit's root" >&2; exit 2; }
 source .venv/bin/activate
 export TIKTOKEN_CACHE_DIR="$PWD/.cache/tiktoken"
+# srun steps get the job's cores per task: Slurm 22.05 stopped passing them on (release
+# notes: https://github.com/SchedMD/slurm/blob/slurm-22.05/RELEASE_NOTES; srun(1):
+# https://slurm.schedmd.com/srun.html#OPT_SRUN_CPUS_PER_TASK)
+export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
 export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK  # the CPU cores each process was given
 # rendezvous: the allocation's first host (where this shell runs), on a port free
 # there now, not one derived from the job id, which another user could take first

@@ -22,6 +22,10 @@ source .venv/bin/activate
 export TIKTOKEN_CACHE_DIR="$PWD/.cache/tiktoken"
 export HF_HUB_OFFLINE="1"
 export HF_DATASETS_OFFLINE="1"
+# srun steps get the job's cores per task: Slurm 22.05 stopped passing them on (release
+# notes: https://github.com/SchedMD/slurm/blob/slurm-22.05/RELEASE_NOTES; srun(1):
+# https://slurm.schedmd.com/srun.html#OPT_SRUN_CPUS_PER_TASK)
+export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
 export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK  # the CPU cores each process was given
 # GPU utilisation and memory every 10 s on this (the first) node, while the job runs
 mkdir -p runs/generic-std-1n1g
@@ -42,7 +46,7 @@ preempted=0
 trap 'preempted=1; scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
 srun --kill-on-bad-exit=1 python \
     solutions/train_gpt2_std.py --preset gpt2-124m --data data/fineweb-edu --out runs/generic-std-1n1g --resume \
-    --micro-batch 32 &
+    --micro-batch 32 --device cuda &
 step=$!
 status=0
 wait "$step" || status=$?

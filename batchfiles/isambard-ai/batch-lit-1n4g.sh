@@ -22,6 +22,29 @@ source .venv/bin/activate
 export TIKTOKEN_CACHE_DIR="$PWD/.cache/tiktoken"
 export HF_HUB_OFFLINE="1"
 export HF_DATASETS_OFFLINE="1"
+export NCCL_NET="AWS Libfabric"
+export NCCL_SOCKET_IFNAME="hsn"
+export GLOO_SOCKET_IFNAME="hsn0"
+export NCCL_NET_GDR_LEVEL="PHB"
+export NCCL_CROSS_NIC="1"
+export NCCL_MIN_NCHANNELS="4"
+export NCCL_GDRCOPY_ENABLE="1"
+export NCCL_NET_FORCE_FLUSH="0"
+export FI_CXI_DEFAULT_CQ_SIZE="131072"
+export FI_CXI_DEFAULT_TX_SIZE="2048"
+export FI_CXI_DISABLE_NON_INJECT_MSG_IDC="1"
+export FI_HMEM_CUDA_USE_GDRCOPY="1"
+export FI_CXI_DISABLE_HOST_REGISTER="1"
+export FI_MR_CACHE_MONITOR="userfaultfd"
+export FI_CXI_RDZV_PROTO="alt_read"
+export FI_CXI_RDZV_THRESHOLD="0"
+export FI_CXI_RDZV_GET_MIN="0"
+export FI_CXI_RDZV_EAGER_SIZE="0"
+export FI_CXI_RX_MATCH_MODE="hybrid"
+# srun steps get the job's cores per task: Slurm 22.05 stopped passing them on (release
+# notes: https://github.com/SchedMD/slurm/blob/slurm-22.05/RELEASE_NOTES; srun(1):
+# https://slurm.schedmd.com/srun.html#OPT_SRUN_CPUS_PER_TASK)
+export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
 export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK  # the CPU cores each process was given
 # GPU utilisation and memory every 10 s on this (the first) node, while the job runs
 mkdir -p runs/isambard-ai-lit-1n4g
@@ -42,7 +65,7 @@ preempted=0
 trap 'preempted=1; scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
 srun --kill-on-bad-exit=1 python \
     solutions/train_gpt2_lit.py --preset gpt2-124m --data data/fineweb-edu --out runs/isambard-ai-lit-1n4g --resume \
-    --devices 4 --num-nodes 1 &
+    --device cuda --devices 4 --num-nodes 1 &
 step=$!
 status=0
 wait "$step" || status=$?

@@ -23,6 +23,10 @@ source .venv/bin/activate
 export TIKTOKEN_CACHE_DIR="$PWD/.cache/tiktoken"
 export HF_HUB_OFFLINE="1"
 export HF_DATASETS_OFFLINE="1"
+# srun steps get the job's cores per task: Slurm 22.05 stopped passing them on (release
+# notes: https://github.com/SchedMD/slurm/blob/slurm-22.05/RELEASE_NOTES; srun(1):
+# https://slurm.schedmd.com/srun.html#OPT_SRUN_CPUS_PER_TASK)
+export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
 export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK  # the CPU cores each process was given
 # GPU utilisation and memory every 10 s on this (the first) node, while the job runs
 mkdir -p runs/leonardo-ddp-1n1g
@@ -47,7 +51,8 @@ trap 'preempted=1; scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
 srun --kill-on-bad-exit=1 bash -c 'PET_NODE_RANK="$SLURM_NODEID" exec "$@"' per-node torchrun \
     --nnodes=1 --nproc-per-node=1 --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
     --max-restarts=2 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
-    solutions/train_gpt2_ddp.py --preset gpt2-124m --data data/fineweb-edu --out runs/leonardo-ddp-1n1g --resume &
+    solutions/train_gpt2_ddp.py --preset gpt2-124m --data data/fineweb-edu --out runs/leonardo-ddp-1n1g --resume \
+    --device cuda &
 step=$!
 status=0
 wait "$step" || status=$?

@@ -32,6 +32,10 @@ export NCCL_NET_GDR_LEVEL="PHB"
 # MIOpen's kernel cache: node-local, private to this job (mktemp -d: mode 0700)
 MIOPEN_USER_DB_PATH=$(mktemp -d "${TMPDIR:-/tmp}/miopen-$SLURM_JOB_ID-XXXXXXXX")
 export MIOPEN_USER_DB_PATH MIOPEN_CUSTOM_CACHE_DIR="$MIOPEN_USER_DB_PATH"
+# srun steps get the job's cores per task: Slurm 22.05 stopped passing them on (release
+# notes: https://github.com/SchedMD/slurm/blob/slurm-22.05/RELEASE_NOTES; srun(1):
+# https://slurm.schedmd.com/srun.html#OPT_SRUN_CPUS_PER_TASK)
+export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
 export OMP_NUM_THREADS=$((SLURM_CPUS_PER_TASK / 8))  # the CPU cores each process was given
 echo "array task $SLURM_ARRAY_TASK_ID: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST"
 

@@ -26,7 +26,11 @@ export NCCL_NET_GDR_LEVEL="PHB"
 # MIOpen's kernel cache: node-local, private to this job (mktemp -d: mode 0700)
 MIOPEN_USER_DB_PATH=$(mktemp -d "${TMPDIR:-/tmp}/miopen-$SLURM_JOB_ID-XXXXXXXX")
 export MIOPEN_USER_DB_PATH MIOPEN_CUSTOM_CACHE_DIR="$MIOPEN_USER_DB_PATH"
+# srun steps get the job's cores per task: Slurm 22.05 stopped passing them on (release
+# notes: https://github.com/SchedMD/slurm/blob/slurm-22.05/RELEASE_NOTES; srun(1):
+# https://slurm.schedmd.com/srun.html#OPT_SRUN_CPUS_PER_TASK)
+export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
 export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK  # the CPU cores each process was given
 # this job is the one that downloads: the profile's offline switches are for training
 unset HF_HUB_OFFLINE HF_DATASETS_OFFLINE
-python -m coursekit images prepare --out data/shapes-224 --size 224 --count 100000 --workers "$SLURM_CPUS_PER_TASK"
+python -m coursekit images prepare --out data/shapes-224 --size 224 --count 100000 --shard-size 500 --workers "$SLURM_CPUS_PER_TASK"

@@ -30,6 +30,10 @@ export NCCL_NET_GDR_LEVEL="PHB"
 # MIOpen's kernel cache: node-local, private to this job (mktemp -d: mode 0700)
 MIOPEN_USER_DB_PATH=$(mktemp -d "${TMPDIR:-/tmp}/miopen-$SLURM_JOB_ID-XXXXXXXX")
 export MIOPEN_USER_DB_PATH MIOPEN_CUSTOM_CACHE_DIR="$MIOPEN_USER_DB_PATH"
+# srun steps get the job's cores per task: Slurm 22.05 stopped passing them on (release
+# notes: https://github.com/SchedMD/slurm/blob/slurm-22.05/RELEASE_NOTES; srun(1):
+# https://slurm.schedmd.com/srun.html#OPT_SRUN_CPUS_PER_TASK)
+export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
 export OMP_NUM_THREADS=$((SLURM_CPUS_PER_TASK / 2))  # the CPU cores each process was given
 # GPU utilisation and memory every 10 s on this (the first) node, while the job runs
 mkdir -p runs/lumi-lora-1n2g

@@ -30,6 +30,10 @@ export NCCL_NET_GDR_LEVEL="PHB"
 # MIOpen's kernel cache: node-local, private to this job (mktemp -d: mode 0700)
 MIOPEN_USER_DB_PATH=$(mktemp -d "${TMPDIR:-/tmp}/miopen-$SLURM_JOB_ID-XXXXXXXX")
 export MIOPEN_USER_DB_PATH MIOPEN_CUSTOM_CACHE_DIR="$MIOPEN_USER_DB_PATH"
+# srun steps get the job's cores per task: Slurm 22.05 stopped passing them on (release
+# notes: https://github.com/SchedMD/slurm/blob/slurm-22.05/RELEASE_NOTES; srun(1):
+# https://slurm.schedmd.com/srun.html#OPT_SRUN_CPUS_PER_TASK)
+export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
 export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK  # the CPU cores each process was given
 # GPU utilisation and memory every 10 s on this (the first) node, while the job runs
 mkdir -p runs/lumi-pp-1n4g
@@ -49,7 +53,8 @@ echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELI
 preempted=0
 trap 'preempted=1; scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
 srun --kill-on-bad-exit=1 --cpu-bind=mask_cpu:0x00fe000000000000,0xfe00000000000000,0x0000000000fe0000,0x00000000fe000000,0x00000000000000fe,0x000000000000fe00,0x000000fe00000000,0x0000fe0000000000 python \
-    solutions/train_gpt2_pp.py --preset gpt2-124m --data data/fineweb-edu --out runs/lumi-pp-1n4g --resume &
+    solutions/train_gpt2_pp.py --preset gpt2-124m --data data/fineweb-edu --out runs/lumi-pp-1n4g --resume \
+    --device cuda &
 step=$!
 status=0
 wait "$step" || status=$?

@@ -25,6 +25,10 @@ source .venv/bin/activate
 export TIKTOKEN_CACHE_DIR="$PWD/.cache/tiktoken"
 export HF_HUB_OFFLINE="1"
 export HF_DATASETS_OFFLINE="1"
+# srun steps get the job's cores per task: Slurm 22.05 stopped passing them on (release
+# notes: https://github.com/SchedMD/slurm/blob/slurm-22.05/RELEASE_NOTES; srun(1):
+# https://slurm.schedmd.com/srun.html#OPT_SRUN_CPUS_PER_TASK)
+export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
 export OMP_NUM_THREADS=$((SLURM_CPUS_PER_TASK / 2))  # the CPU cores each process was given
 # GPU utilisation and memory every 10 s on this (the first) node, while the job runs
 mkdir -p runs/meluxina-tp-1n2g
@@ -50,7 +54,7 @@ srun --kill-on-bad-exit=1 bash -c 'PET_NODE_RANK="$SLURM_NODEID" exec "$@"' per-
     --nnodes=1 --nproc-per-node=2 --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
     --max-restarts=2 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
     solutions/train_gpt2_tp.py --preset gpt2-124m --data data/fineweb-edu --out runs/meluxina-tp-1n2g --resume \
-    --tp 2 &
+    --tp 2 --device cuda &
 step=$!
 status=0
 wait "$step" || status=$?
