@@ -18,13 +18,18 @@ import torch
 # an AMD MI250X shows up as two devices (GCDs), so its entry is half of the card's 383 TFLOP/s. An
 # entry matches whole words of the name torch.cuda.get_device_name gives ("NVIDIA H100 NVL",
 # "Tesla V100-SXM2-32GB"), and the most specific entry wins: "H100 NVL" over "H100", and "L4"
-# never matches an L40.
+# never matches an L40. GeForce cards accumulate 16-bit products in fp32 (as PyTorch's matmuls
+# do) at half their fp16-accumulate rate: their entries are the fp32-accumulate figures of
+# NVIDIA's Ampere GA102 and Ada whitepapers (RTX 3090 71 of 142, RTX 4090 165 of 330 TFLOP/s).
+# Workstation and data-centre cards accumulate in fp32 at the full rate.
 PEAK_FLOPS = {
+    "B200": 2250e12,  # HGX B200's datasheet, per GPU
     "H200": 989e12,
     "GH200": 989e12,
     "H100": 989e12,  # SXM ("NVIDIA H100 80GB HBM3")
     "H100 PCIe": 756e12,
     "H100 NVL": 835e12,
+    "H800": 989e12,  # an H100 SXM with less NVLink bandwidth
     "A100": 312e12,
     "A800": 312e12,
     "L40S": 362e12,
@@ -32,6 +37,8 @@ PEAK_FLOPS = {
     "L4": 121e12,
     "A40": 150e12,
     "A10": 125e12,
+    "A30": 165e12,
+    "RTX A6000": 154.8e12,
     "V100": 125e12,
     "RTX 4090": 165e12,
     "RTX 3090": 71e12,
@@ -87,26 +94,62 @@ def table_peak_flops(device_name, dtype=torch.bfloat16):
 
 
 _measured = {}
+#: The side of the square matmul that measures a device's peak: large enough for a GPU's tensor
+#: cores to run at full rate (a 1024^3 product leaves a B200 mostly idle, overstating MFU 1.5-3x).
+#: On a CPU 1024^3 runs at the vector units' peak in fp32; 16-bit products, emulated on most CPUs
+#: (a 1024^3 one took 2 to 7 s on a core here), reach their rate at 512^3 already.
+PEAK_SQUARE = {"cuda": 8192, "xpu": 8192}
+CPU_SQUARE = {torch.float32: 1024, torch.bfloat16: 512, torch.float16: 512}
 
 
-def measure_matmul_flops(device, dtype=torch.float32, size=1024, seconds=0.1):
-    """Achieved FLOP/s of square matmuls on ``device``: the practical peak of a CPU (or an unknown
-    accelerator). Measured once per device and dtype in a process, briefly: every process of a
-    run measures, and a tenth of a second of 2-GFLOP products is enough for the MFU it scales."""
-    key = (str(device), dtype)
+def measure_matmul_flops(device, dtype=torch.float32, shapes=(), seconds=0.03, repeats=3):
+    """Achieved FLOP/s of matmuls on ``device``: the practical peak of a CPU (or an accelerator
+    the table does not know). The best of ``repeats`` timed runs of each shape: a large square
+    and the model's own (m, k, n) ``shapes``, so that a busy moment lowers no figure but its own.
+
+    A CPU's peak is one thread's rate times the threads torch computes with. One thread needs
+    one free core to measure, where all threads need all of them: `make book` installs with pip
+    on one of two cores while the first run measures, and a peak measured on a shared core made
+    the printed MFU 210%. Measured once per device, dtype and shapes in a process."""
+    device = torch.device(device)
+    square = (CPU_SQUARE.get(dtype, 512) if device.type == "cpu"
+              else PEAK_SQUARE.get(device.type, 8192))
+    shapes = ((square, square, square), *shapes)
+    key = (str(device), dtype, shapes)
     if key not in _measured:
-        a = torch.randn(size, size, device=device, dtype=dtype)
-        b = torch.randn(size, size, device=device, dtype=dtype)
-        _synchronize(device)
-        a @ b  # warm-up: thread pools, kernels, caches
-        _synchronize(device)
-        runs, start = 0, time.perf_counter()
-        while time.perf_counter() - start < seconds:
-            a @ b
-            runs += 1
-            _synchronize(device)
-        _measured[key] = 2 * size**3 * runs / (time.perf_counter() - start)
+        threads = torch.get_num_threads()
+        if device.type == "cpu":
+            torch.set_num_threads(1)
+        try:
+            best = max(_best_rate(device, dtype, shape, seconds, repeats) for shape in shapes)
+        finally:
+            torch.set_num_threads(threads)
+        _measured[key] = best * (threads if device.type == "cpu" else 1)
     return _measured[key]
+
+
+def _best_rate(device, dtype, shape, seconds, repeats):
+    """The highest FLOP/s of ``repeats`` runs of about ``seconds`` each of one (m, k, n) product.
+    A product slower than all of them together (bf16 on a CPU without bf16 units: seconds for a
+    1024^3 product) is timed once."""
+    m, k, n = shape
+    a = torch.randn(m, k, device=device, dtype=dtype)
+    b = torch.randn(k, n, device=device, dtype=dtype)
+    flops = 2 * m * k * n
+    first = _time_products(device, a, b, 1)  # also the warm-up: thread pools, kernels, caches
+    if first > seconds * repeats:
+        return flops / first
+    calls = max(1, round(seconds / first))
+    return max(flops * calls / _time_products(device, a, b, calls) for _ in range(repeats))
+
+
+def _time_products(device, a, b, calls):
+    _synchronize(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        a @ b
+    _synchronize(device)
+    return time.perf_counter() - start
 
 
 def _synchronize(device):
@@ -123,16 +166,24 @@ def device_name(device):
     return "cpu"
 
 
-def peak_flops(device, dtype=torch.float32):
+def peak_flops(device, dtype=torch.float32, shapes=()):
     """(peak FLOP/s, where the number comes from) for a device computing in ``dtype``: the
     datasheet table for known accelerators in 16-bit, a measured matmul otherwise (CPUs, unknown
-    GPUs, fp32, bf16 where the hardware emulates it)."""
+    GPUs, fp32, bf16 where the hardware emulates it), at a large square and the model's (m, k, n)
+    ``shapes`` (model_matmul_shape)."""
     name = device_name(device)
     flops = table_peak_flops(name, dtype) if torch.device(device).type != "cpu" else None
     if flops is not None:
         return flops, f"datasheet {str(dtype).removeprefix('torch.')} peak of {name}"
-    return measure_matmul_flops(device, dtype), f"measured {str(dtype).removeprefix('torch.')} " \
+    return measure_matmul_flops(device, dtype, tuple(shapes)), f"measured {str(dtype).removeprefix('torch.')} " \
                                                  f"matmul on {name}"
+
+
+def model_matmul_shape(tokens, n_embd):
+    """The (m, k, n) of a GPT block's largest product on ``tokens`` tokens, the MLP's widening
+    layer. (The output head's is larger still, but measuring it would cost a CPU process a
+    second, and on the course's CPUs it runs at half the square's rate.)"""
+    return tokens, n_embd, 4 * n_embd
 
 
 def mfu(tokens_per_second, flops_per_token_, peak):

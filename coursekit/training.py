@@ -298,7 +298,8 @@ def run_config(args, preset, model_config, parameters, device, precision, **stag
     """What config.json records of a run: the arguments, the model, the device and its peak in
     the run's Precision, and the stage's own facts (world_size, grad_accum, ...). A device the
     peak table does not know gets the peak of a matmul measured in the precision it trains in."""
-    peak, peak_source = perf.peak_flops(device, precision.dtype or torch.float32)
+    model_shape = perf.model_matmul_shape(args.micro_batch * args.seq_len, model_config.n_embd)
+    peak, peak_source = perf.peak_flops(device, precision.dtype or torch.float32, [model_shape])
     return {
         "stage": args.stage, "args": vars(args), "preset": preset.as_dict(),
         "model": asdict(model_config), "parameters": parameters, **stage_facts,
@@ -369,7 +370,12 @@ def write_sample(run_dir, args, device, generate, write=True):
     encoding = data.gpt2_encoding()
     prompt = torch.tensor([encoding.encode_ordinary(args.prompt)], device=device)
     generator = torch.Generator(device=device).manual_seed(args.seed)  # leaves the global RNG alone
-    tokens = generate(prompt, args.sample_tokens, generator=generator)[0].tolist()
+    # Eager, even where the model was compiled: each token is a forward of a new length (and
+    # outside the training's autocast), so a compiled model would compile again for the first
+    # few lengths, then once more with the length dynamic (DTensor graphs under tp too): minutes
+    # of compiling for a sample that takes seconds eagerly.
+    with torch.compiler.set_stance("force_eager"):
+        tokens = generate(prompt, args.sample_tokens, generator=generator)[0].tolist()
     text = encoding.decode([t for t in tokens if t < data.EOT_TOKEN])
     if write:
         (Path(run_dir) / "sample.txt").write_text(text + "\n")

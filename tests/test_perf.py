@@ -35,6 +35,8 @@ DEVICE_NAMES = {
     "NVIDIA A100 80GB PCIe": 312e12, "NVIDIA L40S": 362e12, "NVIDIA L40": 181e12,
     "NVIDIA L4": 121e12, "NVIDIA A40": 150e12, "NVIDIA A10": 125e12,
     "Tesla V100-SXM2-32GB": 125e12, "Tesla T4": 65e12, "NVIDIA GeForce RTX 4090": 165e12,
+    "NVIDIA GeForce RTX 3090": 71e12, "NVIDIA B200": 2250e12, "NVIDIA H800": 989e12,
+    "NVIDIA A30": 165e12, "NVIDIA RTX A6000": 154.8e12, "NVIDIA A10G": None,
     "AMD Instinct MI250X": 191.5e12, "AMD Instinct MI300X": 1307e12, "AMD Instinct MI210": 181e12,
 }
 
@@ -86,10 +88,12 @@ def test_a_device_the_table_does_not_know_is_measured_in_the_precision_it_trains
                                                                                     measured):
     """The run's peak (and so its MFU) for a device without a datasheet entry, here the CPU."""
     tiny = presets.get_preset("tiny")
-    args = SimpleNamespace(stage="std", seq_len=tiny.seq_len)
+    args = SimpleNamespace(stage="std", seq_len=tiny.seq_len, micro_batch=tiny.micro_batch)
     config = gpt.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len,
                            n_layer=tiny.n_layer, n_head=tiny.n_head, n_embd=tiny.n_embd)
     cpu = torch.device("cpu")
     run = training.run_config(args, tiny, config, 1, cpu, training.prepare_device(cpu, precision))
     assert run["peak_source"] == f"measured {measured} matmul on cpu"
-    assert run["peak_flops"] == perf.measure_matmul_flops("cpu", getattr(torch, measured))
+    model_shape = (tiny.micro_batch * tiny.seq_len, tiny.n_embd, 4 * tiny.n_embd)
+    assert run["peak_flops"] == perf.measure_matmul_flops("cpu", getattr(torch, measured),
+                                                          (model_shape,))
