@@ -66,7 +66,10 @@ def visible_devices():
 
 def device_for(local_rank, requested="auto", visible=None):
     """The device of the process with this local rank: one accelerator per process, the
-    local_rank-th this process sees; ``requested`` is --device (auto, cuda, xpu or cpu)."""
+    local_rank-th this process sees, or the only one where a process sees one (a site that
+    binds each task to its GPU: --gpus-per-task=1, LUMI's select_gpu wrapper, which sets
+    ROCR_VISIBLE_DEVICES to the task's local id); ``requested`` is --device (auto, cuda, xpu or
+    cpu)."""
     visible = visible_devices() if visible is None else visible
     kind = requested
     if requested == "auto":
@@ -77,6 +80,8 @@ def device_for(local_rank, requested="auto", visible=None):
     if count == 0:
         raise KitError(f"--device {kind}: no {ACCELERATORS[kind]} is visible to this process "
                        "(use --device auto or cpu)")
+    if count == 1:
+        return torch.device(kind, 0)
     if local_rank >= count:
         raise KitError(f"local rank {local_rank} has no {kind} device of its own: this process "
                        f"sees {count}; start at most {count} processes per node, or use "

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.unit
     ({"cuda": 2, "xpu": 2}, "xpu", ["xpu:0", "xpu:1"]),  # a kind asked for by name wins
     ({"cuda": 4}, "cpu", ["cpu", "cpu", "cpu"]),
     ({"cuda": 0}, "auto", ["cpu", "cpu"]),  # a laptop: every process on the CPU
+    ({"cuda": 1}, "cuda", ["cuda:0"] * 4),  # a site that shows each task its own GPU only
 ])
 def test_each_local_rank_gets_its_own_device(visible, requested, devices):
     assert [str(distributed.device_for(rank, requested, visible))
