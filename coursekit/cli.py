@@ -312,6 +312,8 @@ def run_envcheck(args):
     from coursekit import envcheck
     info = envcheck.collect()
     print(json.dumps(info, indent=2) if args.json else envcheck.report(info))
+    if info["gpu_problem"]:
+        raise KitError(info["gpu_problem"])
 
 
 def run_tokenizer(args):

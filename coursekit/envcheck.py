@@ -5,6 +5,7 @@ this session set up for the course?" before anything slow is started.
 """
 import os
 import platform
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -27,6 +28,83 @@ def devices():
         found.append(("mps", 0, "Apple GPU"))
     found.append(("cpu", 0, platform.processor() or platform.machine()))
     return found
+
+
+#: Where the job's launcher says which GPUs it gave a process: Slurm's count (--gpus, --gres),
+#: and the masks that Slurm (CUDA, ROCm) and site wrappers set
+GPU_VARIABLES = ("SLURM_GPUS_ON_NODE", "CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES",
+                 "HIP_VISIBLE_DEVICES")
+#: The kernel modules' version files: the driver, which no torch API reports
+DRIVER_FILES = {"NVIDIA": "/proc/driver/nvidia/version", "AMD": "/sys/module/amdgpu/version"}
+
+
+def gpus_given(env=None):
+    """The first of GPU_VARIABLES that gives this process GPUs, as NAME=value; None if none
+    does (unset or empty, a count of 0, or the masks' "hide them all": -1 and NoDevFiles)."""
+    env = os.environ if env is None else env
+    for name in GPU_VARIABLES:
+        value = env.get(name, "").strip()
+        none_given = ("", "-1", "NoDevFiles") + (("0",) if name == "SLURM_GPUS_ON_NODE" else ())
+        if value not in none_given:
+            return f"{name}={value}"
+    return None
+
+
+def driver():
+    """The GPU driver's version line, from the kernel module's own file; None without one."""
+    for vendor, path in DRIVER_FILES.items():
+        if Path(path).exists():
+            return f"{vendor} " + Path(path).read_text().splitlines()[0].strip()
+    return None
+
+
+def gpu_architecture(index):
+    """NVIDIA's sm_XY or AMD's gfx name of visible GPU ``index``."""
+    props = torch.cuda.get_device_properties(index)
+    return props.gcnArchName.split(":")[0] if torch.version.hip else f"sm_{props.major}{props.minor}"
+
+
+def version(arch):
+    """The number of an NVIDIA architecture: sm_80 -> 80, compute_90a -> 90."""
+    return int(re.sub(r"\D", "", arch))
+
+
+def missing_architectures():
+    """[(index, name, arch)] of the visible GPUs whose architecture this torch was not built for:
+    NVIDIA's sm_XY (a compute_XY of a lower or equal version also runs, JIT-compiled from PTX),
+    AMD's gfx name (ROCm's torch lists gfx targets)."""
+    built_for = torch.cuda.get_arch_list()
+    ptx = [version(a) for a in built_for if a.startswith("compute_")]
+    missing = []
+    for index in range(torch.cuda.device_count()):
+        arch = gpu_architecture(index)
+        runs = arch in built_for or (arch.startswith("sm_")
+                                     and any(v <= version(arch) for v in ptx))
+        if not runs:
+            missing.append((index, torch.cuda.get_device_name(index), arch))
+    return missing
+
+
+def gpu_problem(env=None):
+    """One line saying why this process cannot train on the GPUs it was given, or None: Slurm
+    gave it GPUs and torch sees none (a CPU build of torch, one for another vendor, or one that
+    the driver is too old for: make setup's PyPI torch over the site's), or torch was not built
+    for their architecture."""
+    given = gpus_given(env)
+    if given and not torch.cuda.is_available():
+        built = (f"CUDA {torch.version.cuda or '-'}, "
+                 f"ROCm {getattr(torch.version, 'hip', None) or '-'}")
+        return (f"the job was given GPUs ({given}) but torch {torch.__version__} sees none "
+                f"({built}; driver {driver() or 'not found'}): use the site's PyTorch module or a "
+                "build for its driver, as the site profile's comment says")
+    if torch.cuda.is_available():
+        missing = missing_architectures()
+        if missing:
+            index, name, arch = missing[0]
+            return (f"torch {torch.__version__} was built for "
+                    f"{', '.join(torch.cuda.get_arch_list())}, not for GPU {index}'s {arch} "
+                    f"({name}): use the site's PyTorch module")
+    return None
 
 
 def usable_cpu_cores():
@@ -55,6 +133,12 @@ def collect(root=None):
         "cuda": torch.version.cuda,
         "rocm": getattr(torch.version, "hip", None),
         "devices": devices(),
+        "gpus_given": gpus_given(),
+        "driver": driver(),
+        "arch_list": torch.cuda.get_arch_list() if torch.cuda.is_available() else [],
+        "capabilities": [gpu_architecture(i) for i in range(torch.cuda.device_count())]
+                        if torch.cuda.is_available() else [],
+        "gpu_problem": gpu_problem(),
         "cpu_cores": usable_cpu_cores(),
         "machine_cores": os.cpu_count(),
         "slurm_commands": {cmd: shutil.which(cmd) is not None for cmd in SLURM_COMMANDS},
@@ -87,6 +171,12 @@ def report(info):
         f"cpu cores         {info['cpu_cores']} usable of {info['machine_cores']}",
     ]
     lines += [f"device            {kind}:{index}  {name}" for kind, index, name in info["devices"]]
+    if info["capabilities"]:
+        lines.append(f"gpu architecture  {', '.join(sorted(set(info['capabilities'])))}; torch "
+                     f"built for {' '.join(info['arch_list'])}; driver {info['driver'] or '-'}")
+    if info["gpus_given"] or info["capabilities"]:
+        lines.append(f"gpus given        {info['gpus_given'] or 'none named by Slurm'}: "
+                     + ("PROBLEM: " + info["gpu_problem"] if info["gpu_problem"] else "usable"))
     slurm = info["slurm_commands"]
     present = [cmd for cmd, ok in slurm.items() if ok]
     lines.append(f"slurm commands    {', '.join(present) if present else 'none'}"

@@ -144,3 +144,33 @@ def test_cli_report_and_json():
     # every GPU the driver lists, unless this torch is a CPU-only build; then the CPU
     assert cuda == (gpus_the_driver_lists() if torch.version.cuda else [])
     assert info["devices"][-1][0] == "cpu"
+
+
+@pytest.mark.parametrize("env, given", [
+    ({}, None), ({"CUDA_VISIBLE_DEVICES": ""}, None), ({"CUDA_VISIBLE_DEVICES": "-1"}, None),
+    ({"SLURM_GPUS_ON_NODE": "0"}, None), ({"ROCR_VISIBLE_DEVICES": "NoDevFiles"}, None),
+    ({"SLURM_GPUS_ON_NODE": "4"}, "SLURM_GPUS_ON_NODE=4"),
+    ({"CUDA_VISIBLE_DEVICES": "0"}, "CUDA_VISIBLE_DEVICES=0"),  # a mask that names GPU 0
+    ({"ROCR_VISIBLE_DEVICES": "3"}, "ROCR_VISIBLE_DEVICES=3"),  # LUMI's select_gpu
+])
+def test_the_gpus_a_job_was_given_are_read_from_slurm_and_the_masks(env, given):
+    assert envcheck.gpus_given(env) == given
+
+
+def test_gpus_given_that_torch_cannot_see_fail_envcheck_in_one_line():
+    """Slurm gave the job 4 GPUs; this torch sees none (a CPU build here, hidden GPUs on a GPU
+    node): the PyPI torch that make setup installs over a site's own would train on the CPU."""
+    env = {**os.environ, "SLURM_GPUS_ON_NODE": "4", "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([sys.executable, "-m", "coursekit", "envcheck"], capture_output=True,
+                            text=True, env=env)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith(f"error: the job was given GPUs (SLURM_GPUS_ON_NODE=4) but "
+                                    f"torch {torch.__version__} sees none")
+    assert "use the site's PyTorch module" in result.stderr
+    assert "PROBLEM: the job was given GPUs" in result.stdout  # the report says it too
+
+
+@pytest.mark.gpu
+def test_this_torch_was_built_for_every_gpu_it_sees():
+    info = envcheck_json()
+    assert info["gpu_problem"] is None and info["capabilities"] and info["arch_list"]
