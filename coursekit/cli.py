@@ -257,6 +257,8 @@ def build_parser():
     selftest.add_argument("--micro-batch", type=positive_int,
                           help="samples per forward pass (default: the preset's, or on a GPU the "
                                "largest its memory holds)")
+    selftest.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                          help="what the runs train on (default: the GPUs if torch sees any)")
     selftest.add_argument("--nodes", type=positive_int, default=1,
                           help="nodes of the Slurm job to run on (default 1: this one)")
     selftest.add_argument("--per-node", type=positive_int,
@@ -266,6 +268,10 @@ def build_parser():
     selftest.add_argument("--stages", type=stage_list,
                           help="comma-separated stages to run, to check one again after a fix "
                                "(default: all; std, the reference, always runs)")
+    selftest.add_argument("--expected-busbw", type=positive_float, metavar="GBPS",
+                          help="the all-reduce bus bandwidth the site's interconnect should give, "
+                               "GB/s (its profile's): below half of it fails, with the likely "
+                               "cause (default: none, reported only)")
     selftest.add_argument("--timeout", type=positive_int, default=1800,
                           help="seconds each run may take (default %(default)s)")
     return parser

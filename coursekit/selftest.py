@@ -36,7 +36,8 @@ from pathlib import Path
 
 import torch
 
-from coursekit import KIT_ROOT, KitError, data, distributed, launch, memory, presets, runs, training
+from coursekit import (KIT_ROOT, KitError, data, distributed, envcheck, launch, memory, presets,
+                       runs, training)
 
 ONE_DEVICE = ("std", "ddp", "fsdp", "lit")  # std first: the reference
 ALL_DEVICES = ("ddp", "fsdp", "tp", "pp", "lit")
@@ -63,6 +64,7 @@ class Plan:
     out: str
     master_addr: str    # the first node: where multi-node runs meet
     stages: tuple = ONE_DEVICE + ALL_DEVICES  # those to run (std, the reference, always runs)
+    expected_busbw: float = None  # GB/s the site's interconnect should give (its profile's)
 
     @property
     def processes(self):
@@ -101,7 +103,12 @@ class Run:
 # --- the plan ---------------------------------------------------------------------------------
 
 def make_plan(args):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise KitError(envcheck.gpu_problem() or f"--device cuda: torch {torch.__version__} sees "
+                                                 "no GPU (use --device auto or cpu)")
     per_node = args.per_node or (torch.cuda.device_count() if device == "cuda" else 2)
     preset = presets.get_preset(args.preset or presets.default_preset_name(device == "cuda"))
     precision = training.device_precision(torch.device(device, 0) if device == "cuda"
@@ -110,10 +117,11 @@ def make_plan(args):
         raise KitError(f"--nodes {args.nodes}: this is not a Slurm job of {args.nodes} nodes or "
                        "more (submit batchfiles/<site>/batch-selftest-*.sh)")
     micro_batch = args.micro_batch or largest_micro_batch(preset, device, precision)
+    # absolute: the stages run in the kit's root, wherever the self-test was started
     return Plan(device, per_node, args.nodes, preset.name, micro_batch, preset.seq_len,
-                args.steps, precision, str(Path(args.data).absolute()), str(Path(args.out)),
-                os.environ.get("MASTER_ADDR", "127.0.0.1"),
-                ("std", *(args.stages or ONE_DEVICE + ALL_DEVICES)))
+                args.steps, precision, str(Path(args.data).absolute()),
+                str(Path(args.out).absolute()), os.environ.get("MASTER_ADDR", "127.0.0.1"),
+                ("std", *(args.stages or ONE_DEVICE + ALL_DEVICES)), args.expected_busbw)
 
 
 def largest_micro_batch(preset, device, precision):
@@ -133,8 +141,9 @@ def largest_micro_batch(preset, device, precision):
 # --- what the lessons need, offline -------------------------------------------------------------
 
 def environment_checks(plan):
-    return [check_torch(), check_devices(plan), check_data(plan), check_tokenizer(),
-            check_hf_cache(), check_lesson_imports()]
+    checks = [check_torch(), check_devices(plan), check_data(plan), check_tokenizer(),
+              check_hf_cache(), check_lesson_imports()]
+    return checks + ([check_every_node(plan)] if plan.nodes > 1 else [])
 
 
 def check(name, probe):
@@ -154,19 +163,64 @@ def check_torch():
 
 
 def check_devices(plan):
+    problem = envcheck.gpu_problem()
+    if problem:  # GPUs the job was given, but this torch cannot train on them
+        return Check("devices", False, problem)
     if plan.device == "cpu":
         return Check("devices", True, f"CPU ({os.cpu_count()} cores): {plan.per_node} processes "
                                       f"per node, {plan.precision}")
     names = {torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())}
+    archs = {envcheck.gpu_architecture(i) for i in range(torch.cuda.device_count())}
     ok = torch.cuda.device_count() >= plan.per_node
-    return Check("devices", ok, f"{torch.cuda.device_count()} x {', '.join(sorted(names))}, "
-                                f"{plan.precision}; {plan.per_node} processes per node"
-                                + ("" if ok else ": more processes than GPUs"))
+    return Check("devices", ok, f"{torch.cuda.device_count()} x {', '.join(sorted(names))} "
+                                f"({', '.join(sorted(archs))}, torch built for "
+                                f"{' '.join(torch.cuda.get_arch_list())}; driver "
+                                f"{envcheck.driver() or '-'}), {plan.precision}; {plan.per_node} "
+                                "processes per node" + ("" if ok else ": more processes than GPUs"))
+
+
+#: Run on every node of the job: its GPUs (envcheck.gpu_problem) and driver, one line
+NODE_PROBE = """
+import os, socket
+from coursekit import envcheck
+print(os.environ.get("SLURMD_NODENAME", socket.gethostname()), envcheck.driver() or "no GPU driver",
+      envcheck.gpu_problem() or "ok", sep="\\t")
+"""
+
+
+def check_every_node(plan):
+    """What check_devices checks on the batch host, on each node of the job: a node with another
+    driver, or GPUs this torch cannot use, fails the job's multi-node runs."""
+    result = subprocess.run([*srun(plan, 1), sys.executable, "-c", NODE_PROBE],
+                            capture_output=True, text=True, cwd=KIT_ROOT, timeout=600,
+                            env=run_environment(plan, plan.processes))
+    if result.returncode != 0:
+        return Check("every node", False, f"exit {result.returncode}: "
+                                          f"{first_error(result.stdout + result.stderr)}")
+    nodes = sorted(line.split("\t") for line in result.stdout.splitlines() if "\t" in line)
+    failed = [f"{host}: {verdict}" for host, _, verdict in nodes if verdict != "ok"]
+    if failed:
+        return Check("every node", False, "; ".join(failed))
+    drivers = sorted({driver for _, driver, _ in nodes})
+    hosts = ", ".join(host for host, _, _ in nodes)
+    return Check("every node", True, f"{len(nodes)} nodes ({hosts}): GPUs usable; "
+                                     f"{'; '.join(drivers)}")
 
 
 def check_data(plan):
+    """The data is there, and each split holds a microbatch for every process of the largest
+    run: GPT-2 124M's micro-batch of 64 x 1024 tokens is more than the builtin corpus's whole
+    validation split (35,134 tokens)."""
     def probe():
         meta = data.read_meta(plan.data)
+        needed = plan.batch_tokens + 1
+        for split, info in meta["splits"].items():
+            if info["tokens"] < needed:
+                raise KitError(
+                    f"the {split} split of {plan.data} has {info['tokens']:,} tokens, fewer than "
+                    f"a microbatch of {plan.micro_batch} x {plan.seq_len} tokens on each of "
+                    f"{plan.processes} processes needs ({needed:,}): prepare the site's data "
+                    "(batch-data.sh) and pass it with --data, or lower --micro-batch")
         return f"{plan.data}: " + ", ".join(f"{split} {info['tokens']:,} tokens"
                                             for split, info in meta["splits"].items())
     return check("data", probe)
@@ -368,6 +422,10 @@ def measure(plan, run, out):
         run.peak_kind = every_rank[0]["peak_kind"]
     run.predicted_bytes = predicted_peak(plan, run)
     run.ok, run.detail = len(metrics) == plan.steps, f"{len(metrics)} steps"
+    if not 0 < run.mfu <= 1:  # more arithmetic than the device can do: a wrong peak
+        run.ok, run.detail = False, (f"its MFU is {run.mfu:.0%}, outside 0-100%: the peak it is "
+                                     f"measured against ({config['peak_source']}, "
+                                     f"{config['peak_flops'] / 1e12:.2f} TFLOP/s) is wrong")
 
 
 def predicted_peak(plan, run):
@@ -394,23 +452,68 @@ def compare_losses(plan, reference, trained):
 # --- all-reduce bandwidth ----------------------------------------------------------------------
 
 def bandwidth(plan, timeout):
-    """coursekit.bandwidth over all the devices: {ranks, backend, sizes: [...]}, or a Check."""
+    """coursekit.bandwidth over all the devices, NCCL telling which transports it chose
+    (NCCL_DEBUG=INFO; its log kept in OUT/allreduce.log): (Check, {ranks, backend, sizes: [...],
+    transports} or None)."""
     out = Path(plan.out) / "allreduce.json"
-    args = ["-m", "coursekit.bandwidth", "--out", str(out.absolute()), "--device", plan.device,
+    args = ["-m", "coursekit.bandwidth", "--out", str(out), "--device", plan.device,
             "--largest", str(LARGEST_MESSAGE[plan.device])]
     if plan.nodes == 1:
         command = [*launch.torchrun(plan.per_node), *args]
     else:
         command = [*srun(plan, 1), *launch.PER_NODE,
                    *launch.torchrun(plan.per_node, plan.nodes, plan.master_addr), *args]
+    env = {**run_environment(plan, plan.processes), "NCCL_DEBUG": "INFO"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=KIT_ROOT,
-                            env=run_environment(plan, plan.processes))
+                            env=env)
+    log = result.stdout + result.stderr
+    (Path(plan.out) / "allreduce.log").write_text(log)
     if result.returncode != 0:
-        return Check("all-reduce", False, f"exit {result.returncode}: {last_line(result.stderr)}")
-    measured = runs.read_json(out)
-    best = max(size["busbw"] for size in measured["sizes"])
-    return Check("all-reduce", True, f"{measured['ranks']} ranks over {measured['backend']}: "
-                                     f"bus bandwidth up to {best / 1e9:.2f} GB/s")
+        return Check("all-reduce", False, f"exit {result.returncode}: {first_error(log)}"), None
+    measured = {**runs.read_json(out), "transports": nccl_transports(log)}
+    best = max(size["busbw"] for size in measured["sizes"]) / 1e9
+    return bandwidth_verdict(best, plan, measured), measured
+
+
+#: NCCL's names of its network plugins, as the course names them
+NETWORKS = {"AWS Libfabric": "OFI", "Libfabric": "OFI"}
+
+
+def nccl_transports(log):
+    """The transports NCCL's INFO log says it connected the ranks with: P2P/IPC, P2P/CUMEM or SHM
+    inside a node; NET/IB (InfiniBand, RoCE), NET/OFI (Slingshot's libfabric plugin) or
+    NET/Socket (TCP: no plugin, no InfiniBand) between nodes. Empty under gloo."""
+    via = re.findall(r" via (P2P|SHM|NET)/([A-Za-z][A-Za-z ]*[A-Za-z])", log)
+    networks = re.findall(r"Using network ([A-Za-z][A-Za-z ]*[A-Za-z])", log)
+    return sorted({f"{kind}/{NETWORKS.get(name, name)}" for kind, name in via}
+                  | {f"NET/{NETWORKS.get(name, name)}" for name in networks})
+
+
+def bandwidth_verdict(best_gbps, plan, measured):
+    """The all-reduce Check: a bus bandwidth below half of what the site's interconnect gives
+    (--expected-busbw, from its profile) fails, with the likely cause."""
+    transports = measured["transports"] or [measured["backend"]]
+    detail = (f"{measured['ranks']} ranks over {measured['backend']} "
+              f"({', '.join(transports)}): bus bandwidth up to {best_gbps:.2f} GB/s")
+    if plan.expected_busbw is None:
+        return Check("all-reduce", True, detail + " (no expected figure: --expected-busbw)")
+    detail += f" of {plan.expected_busbw:g} GB/s expected"
+    if best_gbps >= plan.expected_busbw / 2:
+        return Check("all-reduce", True, detail)
+    return Check("all-reduce", False, f"{detail}, below half: {slow_link_cause(plan, transports)}")
+
+
+def slow_link_cause(plan, transports):
+    """The likeliest reason for a slow all-reduce, from what NCCL connected the ranks with."""
+    if "NET/Socket" in transports:
+        return ("NCCL fell back to TCP sockets: it found no InfiniBand or OFI (Slingshot) "
+                "network; load the site's NCCL plugin (aws-ofi-nccl on Slingshot) as its "
+                "documentation says, and check NCCL_SOCKET_IFNAME and NCCL_NET")
+    if plan.nodes == 1 and not any(t.startswith("P2P/") for t in transports):
+        return ("the GPUs of the node do not talk peer to peer (NCCL_P2P_DISABLE set, or no "
+                "NVLink/xGMI between them: nvidia-smi topo -m, rocm-smi --showtopo)")
+    return ("a slow, shared or misconfigured link: run nccl-tests' all_reduce_perf on the same "
+            "nodes, and compare allreduce.log with the site's documented NCCL settings")
 
 
 # --- the report --------------------------------------------------------------------------------
@@ -465,8 +568,9 @@ def markdown(result):
             f"| {gigabytes(r['predicted_bytes'])} |")
     if result["allreduce"]:
         sizes = result["allreduce"]["sizes"]
+        transports = ", ".join(result["allreduce"]["transports"]) or "no NCCL"
         lines += ["", f"## All-reduce: {result['allreduce']['ranks']} ranks, "
-                      f"{result['allreduce']['backend']}", "",
+                      f"{result['allreduce']['backend']} ({transports})", "",
                   "| message | time | algbw | busbw |", "|---|---|---|---|"]
         lines += [f"| {binary_size(s['bytes'])} | {s['seconds'] * 1e6:,.0f} us "
                   f"| {s['algbw'] / 1e9:.2f} GB/s | {s['busbw'] / 1e9:.2f} GB/s |" for s in sizes]
@@ -486,7 +590,8 @@ def run_all(args):
     for c in checks:
         print(f"  {c.name:20s} {'ok    ' if c.ok else 'FAILED'} {c.detail}", flush=True)
     trained, allreduce = [], None
-    if all(c.ok for c in checks if c.name in ("torch", "devices", "data", "tokenizer")):
+    if all(c.ok for c in checks if c.name in ("torch", "devices", "every node", "data",
+                                              "tokenizer")):
         for stage, processes in planned_runs(plan):
             trained.append(train(plan, stage, processes, args.timeout))
             compare_losses(plan, trained[0], trained[-1])
@@ -495,8 +600,8 @@ def run_all(args):
                   + (f" | {r.tok_per_s:,.0f} tok/s, MFU {r.mfu:.1%}" if r.tok_per_s else ""),
                   flush=True)
         if plan.processes > 1:
-            checks.append(bandwidth(plan, args.timeout))
-            allreduce = runs.read_json(out / "allreduce.json") if checks[-1].ok else None
+            allreduce_check, allreduce = bandwidth(plan, args.timeout)
+            checks.append(allreduce_check)
             print(f"  {'all-reduce':20s} {'ok    ' if checks[-1].ok else 'FAILED'} "
                   f"{checks[-1].detail}", flush=True)
     result = report(plan, checks, trained, allreduce)

@@ -74,6 +74,7 @@ def test_envcheck_says_which_torch_the_stages_need(tmp_path):
 def test_every_process_lands_on_its_own_gpu():
     """Under torchrun with --device cuda, each rank's current device is its local rank's GPU,
     set before NCCL's group started (the ranks' device indices, gathered over NCCL)."""
-    nproc = min(2, torch.cuda.device_count())
-    result = torchrun(nproc, KIT_ROOT / "tests" / "helpers" / "device_check.py")
-    assert result.stdout.strip().splitlines()[-1] == str(list(range(nproc)))
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs to tell one rank's from another's; this node has 1")
+    result = torchrun(2, KIT_ROOT / "tests" / "helpers" / "device_check.py")
+    assert result.stdout.strip().splitlines()[-1] == "[0, 1]"

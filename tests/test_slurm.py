@@ -44,6 +44,9 @@ TRAINING_RUNS = ["batch-std-1n1g.sh", "batch-ddp-1n2g.sh", "batch-tp-2n2g.sh",
                  "batch-resnet-2n1g.sh"]
 GPT_RUNS = [name for name in TRAINING_RUNS if "resnet" not in name]
 LORA_RUNS = ["batch-lora-1n2g.sh", "batch-lora-2n1g.sh"]
+# Across the 2 nodes lora runs DeepSpeed ZeRO-3 (the config chosen at submission, as the batch
+# files say), whose multi-node start is its own (deepspeed_multinode_launcher); 1n2g runs DDP
+LORA_CONFIGS = {"batch-lora-2n1g.sh": "zero3"}
 HPO_FILES = [name for name in CI_FILES if name.startswith("batch-hpo")]
 HPO_TRIALS = int(re.search(r"--trials (\d+)", CI["hpo_args"]).group(1))
 LORA_STEPS = int(re.search(r"--max-steps (\d+)", CI["finetune_args"]).group(1))
@@ -202,8 +205,9 @@ class Jobs:
     submits every job the session's selected tests will want, so that Slurm runs them side by side
     as its nodes allow; each test then waits for its own job only."""
 
-    def __init__(self, cluster, wanted):
+    def __init__(self, cluster, wanted, options=None):
         self.cluster, self.wanted, self.ids, self.results = cluster, wanted, {}, {}
+        self.options = options or {}  # {name: sbatch options of that job}
 
     def result(self, name):
         if name not in self.results:
@@ -222,7 +226,7 @@ class Jobs:
     folder = staticmethod(run_dir)
 
     def submit(self, name):
-        return submit(self.cluster, name)
+        return submit(self.cluster, name, *self.options.get(name, ()))
 
     def read(self, name, job_id, status, record):
         """(exit status, log, metrics, `scontrol -d show job` as it ended)"""
@@ -400,6 +404,8 @@ def test_the_selftest_job_trains_every_stage_across_both_nodes(cluster, builtin_
             {*[(s, 1) for s in ("std", "ddp", "lit")], *[(s, 2) for s in ("ddp", "lit")]}
         assert report["allreduce"]["ranks"] == 2
         assert "NodeList=node[1-2]" in record
+        every_node = next(c for c in report["checks"] if c["name"] == "every node")
+        assert every_node["ok"] and every_node["detail"].startswith("2 nodes (node1, node2)")
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
@@ -524,16 +530,21 @@ def test_every_shape_trains_the_same_model(training):
 def lora_training(request, cluster, builtin_in_kit):
     """The lora stage's jobs, each run once, as the tests ask, on the model and tasks `make`
     prepares."""
-    subprocess.run(["make", "models/kit-tiny/config.json", "data/instruct/meta.json"],
+    extensions = KIT_ROOT / ".cache" / "torch_extensions"  # DeepSpeed's CPU op, built once by make
+    subprocess.run(["make", "models/kit-tiny/config.json", "data/instruct/meta.json",
+                    str(extensions / ".complete")],
                    cwd=KIT_ROOT, check=True, capture_output=True, timeout=900)
-    jobs = Jobs(cluster, wanted_by(request.session, "lora_training", LORA_RUNS))
+    configs = {name: [f"--export=ALL,ACCELERATE_CONFIG=solutions/accelerate/{config}.yaml,"
+                      f"TORCH_EXTENSIONS_DIR={extensions}"] for name, config in LORA_CONFIGS.items()}
+    jobs = Jobs(cluster, wanted_by(request.session, "lora_training", LORA_RUNS), configs)
     yield jobs
     jobs.clean()
 
 
 def test_lora_jobs_fine_tune_alike_on_every_shape(lora_training):
-    """`accelerate launch` on 1 and 2 nodes: every job finishes, saves the adapter and the merged
-    model, and takes the same steps whatever its shape (no dropout, the same 32 examples)."""
+    """`accelerate launch` on 1 and 2 nodes (DDP on one, ZeRO-3 across both): every job finishes,
+    saves the adapter and the merged model, and takes the same steps whatever its shape and
+    config (no dropout, the same 32 examples)."""
     reference = [r["loss"] for r in lora_training.result("batch-lora-1n2g.sh")[2]]
     for name in LORA_RUNS:
         status, log, metrics, job = lora_training.result(name)
@@ -545,6 +556,8 @@ def test_lora_jobs_fine_tune_alike_on_every_shape(lora_training):
         assert re.search(rf"NumNodes={nodes} NumCPUs=\d+ NumTasks={nodes} ", job), job
         assert (run_dir(name) / "model" / "model.safetensors").is_file()
         assert [r["loss"] for r in metrics] == pytest.approx(reference, abs=1e-4), name
+        if name in LORA_CONFIGS:
+            assert f"DEEPSPEED on {nodes * processes} process(es)" in log, log[-3000:]
 
 
 # how a job is stopped mid-run: (what the test does, the signal the training processes get)
