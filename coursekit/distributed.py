@@ -10,6 +10,7 @@ that device and, on GPUs, its device_id. Its collectives give up after KIT_DIST_
 (600 by default, NCCL's own) rather than wait for ever for a process that hung or died.
 """
 import gc
+import inspect
 import os
 import sys
 from datetime import timedelta
@@ -40,6 +41,20 @@ def check_torch(found=torch.__version__):
         raise KitError(f"torch {found} is too old: the course's stages need torch >= "
                        f"{'.'.join(map(str, MIN_TORCH))} (pip install 'torch>=2.6', or load a "
                        "newer module)")
+
+
+def check_pipeline_schedules(schedule=None):
+    """The pp stage needs its schedule's step(return_outputs=False) and eval(): without them the
+    last stage keeps every microbatch's logits to return them, out of memory at the first
+    evaluation on a GPU. Both came after MIN_TORCH, so they are looked for, not a version."""
+    if schedule is None:
+        from torch.distributed.pipelining.schedules import PipelineScheduleSingle as schedule
+    if "return_outputs" not in inspect.signature(schedule.step).parameters \
+            or not hasattr(schedule, "eval"):
+        raise KitError(f"torch {torch.__version__}'s pipeline schedules have no "
+                       "step(return_outputs=False) or eval(), which keep the last stage from "
+                       "holding every microbatch's logits: the pp stage needs a newer torch "
+                       "(the kit is tested with the one requirements.txt pins)")
 
 
 def place():

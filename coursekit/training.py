@@ -396,7 +396,9 @@ def pipelined_last_logits(model, device):
         x = model(x)
         if rank < last:
             dist.send(x, dst=rank + 1)
-        logits = (x[:, -1, :].contiguous() if rank == last else
+        # fp32 on every rank: under bf16 autocast the head's logits are bf16, and a broadcast
+        # into buffers of another dtype reads garbage (gloo) or hangs (NCCL)
+        logits = (x[:, -1, :].float() if rank == last else
                   torch.empty(len(context), model.config.vocab_size, device=device))
         dist.broadcast(logits, src=last)
         return logits

@@ -143,13 +143,14 @@ def clip_grad_norm(model, max_norm):
     return norm
 
 
-def run_pipeline(run, stage, x, y, **kwargs):
+def run_pipeline(run, stage, x, y):
     """A minibatch through the schedule's step (train) or eval, cut into its M microbatches: the
     first stage feeds the inputs, the last the targets. Returns N x the mean loss on the last of
-    the N stages, 0 on the others: averaged over the ranks (all_reduce_mean), the loss."""
+    the N stages, 0 on the others: averaged over the ranks (all_reduce_mean), the loss. Only the
+    losses: the last stage would otherwise keep every microbatch's logits to return them."""
     losses = []
     run(*([x] if stage.is_first else []), target=y if stage.is_last else None, losses=losses,
-        **kwargs)
+        return_outputs=False)
     if not losses:
         return torch.zeros((), device=x.device)
     return torch.stack(losses).detach().mean() * dist.get_world_size()
@@ -219,6 +220,7 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    distributed.check_pipeline_schedules()
     torch.manual_seed(args.seed)
     # this process's rank, the number of processes and its device: its GPU, or the CPU
     rank, world_size, device = distributed.setup(args.device)
@@ -279,7 +281,7 @@ def main(argv=None):
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         x, y = training.to_device(train_loader.next_batch(), device)
-        loss_sum = run_pipeline(schedule.step, stage, x, y, return_outputs=False)
+        loss_sum = run_pipeline(schedule.step, stage, x, y)
         all_reduce_tied_gradient(model, tied_group)
         grad_norm = clip_grad_norm(model, preset.grad_clip)
         optimizer.step()

@@ -78,3 +78,14 @@ def test_every_process_lands_on_its_own_gpu():
         pytest.skip("needs 2 GPUs to tell one rank's from another's; this node has 1")
     result = torchrun(2, KIT_ROOT / "tests" / "helpers" / "device_check.py")
     assert result.stdout.strip().splitlines()[-1] == "[0, 1]"
+
+
+def test_a_torch_whose_schedules_keep_every_microbatchs_logits_is_refused_for_pp():
+    class OldSchedule:  # the step() of torch 2.6's pipeline schedules, and no eval()
+        def step(self, *args, target=None, losses=None, **kwargs):
+            pass
+
+    with pytest.raises(KitError, match=r"pipeline schedules have no step\(return_outputs=False\)"
+                                       r" or eval\(\).*: the pp stage needs a newer torch"):
+        distributed.check_pipeline_schedules(OldSchedule)
+    distributed.check_pipeline_schedules()  # this torch's have both
