@@ -28,14 +28,19 @@ Model-parallel strategies split the model itself, so activations shrink too:
     pp      pipeline parallelism: N stages of consecutive blocks; the first stage also holds the
             embeddings, the last the final norm and its own copy of the tied output matrix. The
             busiest stage decides whether the model fits; with 1F1B the first stage keeps the
-            activations of N microbatches in flight
+            activations of N microbatches in flight, the last those of one, and the logits
 
-Activations are what forward keeps for backward; they grow with micro-batch x sequence length,
-not with the world size. The peak comes as backward starts, when the gradients of the loss's
-(micro-batch x sequence x vocabulary) log-probabilities and logits join them. Activation checkpointing keeps only each block's input and recomputes
-the rest during backward.
+Activations are what forward keeps for backward (counted from what autograd saves: see
+activation_bytes); they grow with micro-batch x sequence length, not with the world size. The
+peak comes as the loss's backward ends, when the gradients of the (micro-batch x sequence x
+vocabulary) logits join them (logit_gradient_bytes). Activation checkpointing keeps only each
+block's input and recomputes the rest during backward. allocated_peak measures the peak of a CPU
+process as a GPU's allocator counts it; benchmarks/memory_per_rank.py sets each stage's beside
+per_rank_bytes.
 """
+import contextlib
 import functools
+import itertools
 from pathlib import Path
 from dataclasses import dataclass
 
@@ -103,34 +108,73 @@ class Model:
         return counts
 
 
+#: Bytes a transformer block keeps for backward per token and unit of width d, as autograd saves
+#: them (activation_bytes says which; tests/test_memory.py counts them): (what a tensor-parallel
+#: rank gathers whole, what it keeps a share of)
+BLOCK_BYTES = {"fp32": (8, 56), "16-bit": (8, 32)}
+#: Tokens whose logits the loss upcasts to fp32 at a time: solutions/gpt.py's LOSS_CHUNK_TOKENS
+LOSS_CHUNK_TOKENS = 1024
+
+
+def value_bytes(precision):
+    """Bytes of one computed value: autocast computes the matmuls in 16 bits."""
+    return 4 if precision == "fp32" else 2
+
+
 def activation_bytes(model, micro_batch, seq_len, precision, activation_checkpointing=False,
-                     blocks=None, logits=True):
-    """Bytes that forward keeps for backward (Korthikanti et al. 2022, with flash attention, which
-    stores no T x T attention matrix): about 34 bytes per token and width per block in 16-bit
-    training (their 34sbh counts bytes: 2 per 16-bit value, 1 per dropout-mask entry), twice that
-    in fp32, for ``blocks`` blocks (default: all of them). The loss's fp32 log-probabilities
-    (4 bytes per logit, in any precision) come on top. With checkpointing, each block keeps its
-    input only, and one block's activations exist at a time during recomputation."""
+                     blocks=None, logits=True, tp=1):
+    """Bytes that forward keeps for backward, counted from what autograd saves (flash attention
+    keeps no T x T matrix), for ``blocks`` blocks (default: all of them). Per token and unit of
+    width, a block keeps in 16-bit training (bf16 or fp16 autocast):
+
+         8  the two LayerNorms' inputs, in fp32: the residual stream stays fp32
+         6  the inputs of the q, k and v projections: each casts ln_1's output to 16 bits itself
+         6  q, k and v, which attention keeps
+         2  attention's output, its projection's input
+         2  the MLP's input, ln_2's output cast to 16 bits
+        16  the MLP's hidden layer (4 d wide) before and after the GELU
+        40  in all; in fp32 64, as nothing is cast (q, k and v share ln_1's output: 4 + 4) and
+            every value takes 4 bytes
+
+    and per token 16 bytes of LayerNorm statistics and 4 per head (attention's log-sum-exp).
+    With ``tp``-way tensor and sequence parallelism a rank keeps 1/tp of all but the matmuls'
+    inputs, which it gathers whole (8 bytes in either precision). After the blocks (``logits``)
+    come the final LayerNorm's input (4 bytes), the head's input (2 or 4) and the logits, which
+    the loss keeps (2 or 4 bytes each). With checkpointing, each block keeps its input only (4
+    bytes, fp32) and one block's activations exist at a time during recomputation."""
     blocks = model.n_layer if blocks is None else blocks
-    scale = 2 if precision == "fp32" else 1  # 34 bytes holds 2-byte values
-    tokens_width = micro_batch * seq_len * model.n_embd
-    per_block = 34 * tokens_width * scale
+    tokens, d = micro_batch * seq_len, model.n_embd
+    gathered, shared = BLOCK_BYTES["fp32" if precision == "fp32" else "16-bit"]
+    per_block = tokens * (gathered * d + (shared * d + 16 + 4 * model.n_head) / tp)
     if activation_checkpointing:
-        kept = blocks * 2 * tokens_width * scale + per_block
+        kept = blocks * tokens * 4 * d / tp + per_block
     else:
         kept = blocks * per_block
-    return kept + (logit_count(model, micro_batch, seq_len) * 4 if logits else 0)
+    if logits:
+        head = tokens * (4 * d / tp + value_bytes(precision) * d)
+        kept += head + logit_count(model, micro_batch, seq_len) / tp * value_bytes(precision)
+    return kept
 
 
 def logit_count(model, micro_batch, seq_len):
     return micro_batch * seq_len * model.vocab_size
 
 
-def logit_gradient_bytes(model, micro_batch, seq_len, precision):
-    """What the start of backward adds to the activations: the gradients of the log-probabilities
-    (fp32) and of the logits (in the logits' precision), 6 or 8 bytes per logit. With GPT-2's
-    vocabulary they outweigh a micro-batch's activations."""
-    return logit_count(model, micro_batch, seq_len) * (4 + (4 if precision == "fp32" else 2))
+def logit_gradient_bytes(model, micro_batch, seq_len, precision, tp=1,
+                         loss_parallel=False):
+    """What the loss's backward adds to the activations (solutions/gpt.py's cross_entropy). It
+    recomputes one chunk of LOSS_CHUNK_TOKENS tokens at a time: the chunk's fp32 log-probabilities,
+    their gradient and the fp32 gradient of its logits, 12 bytes per logit of the chunk; the
+    chunks' gradients in the logits' precision (2 or 4 bytes per logit) add up until the last
+    chunk. With the logits themselves, that is 4 bytes per logit + 10 per chunk logit in 16 bits,
+    8 + 8 in fp32 (where the fp32 gradient is the chunk's gradient). With tensor parallelism a
+    rank holds 1/tp of each token's logits, and loss_parallel's cross-entropy of vocabulary-split
+    logits keeps one more fp32 value per chunk logit (measured: benchmarks/memory_per_rank.py)."""
+    tokens = micro_batch * seq_len
+    logits = logit_count(model, micro_batch, seq_len) / tp
+    chunk_logits = min(tokens, LOSS_CHUNK_TOKENS) * model.vocab_size / tp
+    per_chunk_logit = (8 if precision == "fp32" else 10) + (4 if loss_parallel else 0)
+    return (4 if precision == "fp32" else 2) * logits + per_chunk_logit * chunk_logits
 
 
 def per_rank_bytes(model, strategy, world_size, precision="fp32", micro_batch=1, seq_len=None,
@@ -144,27 +188,44 @@ def per_rank_bytes(model, strategy, world_size, precision="fp32", micro_batch=1,
     if not isinstance(world_size, int) or world_size < 1:
         raise KitError(f"world size {world_size!r}: use a whole number of ranks, 1 or more")
     seq_len = seq_len or model.block_size
+    if strategy == "pp":
+        return max(pipeline_stage_bytes(model, world_size, precision, micro_batch, seq_len,
+                                        activation_checkpointing), key=lambda parts: parts["total"])
     activations = functools.partial(activation_bytes, model, micro_batch, seq_len, precision,
                                     activation_checkpointing)
-    logit_gradients = logit_gradient_bytes(model, micro_batch, seq_len, precision)
     if strategy in DATA_PARALLEL:
         parts = data_parallel_bytes(model, DATA_PARALLEL.index(strategy), world_size, precision)
         parts["activations"] = activations()
-    elif strategy == "tp":  # sequence parallel: every activation is split N ways too
+        parts["logit_grads"] = logit_gradient_bytes(model, micro_batch, seq_len, precision)
+    else:  # tp, sequence parallel: the activations are split N ways, the logits by vocabulary
         parts = replicated_bytes(model.tensor_parallel_parameters(world_size), precision)
-        parts["activations"] = activations() / world_size
-        logit_gradients /= world_size  # the logits are split over the vocabulary
-    else:
-        stages = model.pipeline_stage_parameters(world_size)
-        parts = replicated_bytes(max(stages), precision)
-        # 1F1B: the first stage holds its blocks' activations for `world_size` microbatches
-        first_blocks = model.pipeline_stage_blocks(world_size)[0]
-        parts["activations"] = world_size * activations(blocks=first_blocks,
-                                                        logits=world_size == 1)
-        logit_gradients *= world_size == 1  # the busiest stage is the first, without the head
-    parts["logit_grads"] = logit_gradients
+        parts["activations"] = activations(tp=world_size)
+        parts["logit_grads"] = logit_gradient_bytes(model, micro_batch, seq_len, precision,
+                                                    tp=world_size, loss_parallel=True)
     parts["total"] = sum(parts.values())
     return parts
+
+
+def pipeline_stage_bytes(model, stages, precision="fp32", micro_batch=1, seq_len=None,
+                         activation_checkpointing=False):
+    """[{part: bytes}] of each of ``stages`` pipeline stages at its peak under 1F1B, which keeps
+    ``stages - i`` microbatches in flight on stage i: the first stage keeps its blocks'
+    activations for the most microbatches, the last for one, but it also keeps the logits and
+    their gradients (with GPT-2's vocabulary, the busiest stage)."""
+    seq_len = seq_len or model.block_size
+    blocks = model.pipeline_stage_blocks(stages)
+    every_stage = []
+    for i, n in enumerate(model.pipeline_stage_parameters(stages)):
+        last = i == stages - 1
+        parts = replicated_bytes(n, precision)
+        parts["activations"] = (stages - i) * activation_bytes(
+            model, micro_batch, seq_len, precision, activation_checkpointing, blocks=blocks[i],
+            logits=last)
+        parts["logit_grads"] = (logit_gradient_bytes(model, micro_batch, seq_len, precision)
+                                if last else 0)
+        parts["total"] = sum(parts.values())
+        every_stage.append(parts)
+    return every_stage
 
 
 def data_parallel_bytes(model, level, world_size, precision):
@@ -218,6 +279,31 @@ def local_bytes(tensors):
     """Bytes of these tensors on this rank: a sharded (DTensor) one counts its local shard."""
     from torch.distributed.tensor import DTensor
     return sum(t.to_local().nbytes if isinstance(t, DTensor) else t.nbytes for t in tensors)
+
+
+@contextlib.contextmanager
+def allocated_peak():
+    """Measures the most bytes of tensor memory allocated at once while the ``with`` block runs
+    (in the dict it yields: "peak", and "unreleased", what was still counted at its end),
+    counted from its start: on a CPU, what
+    torch.cuda.max_memory_allocated counts on a GPU. The resident set size adds the runtime's
+    own memory and keeps freed pages; torch.profiler's memory profile instead records each
+    allocation and release of the CPU allocator (FSDP's resized storages and DTensor's internal
+    buffers included), which this adds up in order."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    result = {}
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
+        yield result
+    events = sorted((event.start_ns(), event.nbytes())  # the raw events: one per allocation
+                    for event in profiler.profiler.kineto_results.events()
+                    if event.name() == "[memory]" and event.device_type() == DeviceType.CPU)
+    live = list(itertools.accumulate(nbytes for _, nbytes in events)) or [0]
+    result["peak"] = max(live)
+    # the profiler sees releases on the threads it profiles only: a tensor that a communication
+    # thread (gloo's) frees last stays counted, and is still counted when the block ends
+    result["unreleased"] = live[-1]
 
 
 def measured(model, optimizer, device):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from coursekit import presets
 
@@ -79,12 +80,26 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-def cross_entropy(logits, targets):
-    """Mean loss per token, computed in fp32 whatever precision the logits are in. The
-    log-softmax reads 16-bit logits and writes fp32 directly: on a GPU no fp32 copy of the
-    (B, T, vocab) logits is made, the largest tensor of the step (13 GB for GPT-2 at B = 64)."""
-    log_probs = F.log_softmax(logits.view(-1, logits.size(-1)), dim=-1, dtype=torch.float32)
-    return F.nll_loss(log_probs, targets.view(-1))
+#: Tokens whose logits the loss turns into fp32 at a time: 1,024 x 50,304 vocabulary x 4 bytes is
+#: 0.2 GB per chunk, where the whole micro-batch's fp32 logits are 13 GB for GPT-2 at B = 64.
+LOSS_CHUNK_TOKENS = 1024
+
+
+def cross_entropy(logits, targets, chunk_tokens=LOSS_CHUNK_TOKENS):
+    """Mean loss per token, computed in fp32 whatever precision the logits are in, a chunk of
+    tokens at a time. An fp32 log-softmax of 16-bit logits copies them to fp32 first (ATen fuses
+    the cast for fp16 on GPUs only), and autograd would keep the fp32 log-probabilities: 4 bytes a
+    logit for the whole micro-batch, the largest tensor of the step. Checkpointing each chunk
+    keeps only the logits themselves; backward recomputes the chunk's fp32 values one at a time."""
+    logits, targets = logits.flatten(0, -2), targets.flatten()
+    chunks = zip(logits.split(chunk_tokens), targets.split(chunk_tokens))
+    total = sum(checkpoint(summed_cross_entropy, chunk, chunk_targets, use_reentrant=False)
+                for chunk, chunk_targets in chunks)
+    return total / targets.numel()
+
+
+def summed_cross_entropy(logits, targets):
+    return F.cross_entropy(logits.float(), targets, reduction="sum")
 
 
 class GPT(nn.Module):

@@ -4,6 +4,8 @@ scripts really hold (the FSDP stage's measured bytes are checked in test_stage_f
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from coursekit import KitError, memory, presets, stages
@@ -42,21 +44,29 @@ def measured_tiny():
             "optimizer": nbytes(state)}
 
 
-def saved_for_backward(module, forward):
-    """Bytes autograd keeps for backward while ``forward()`` runs: each storage once, the
-    module's own parameters (saved by its matmuls) left out, as they are not activations."""
-    parameters = {p.untyped_storage().data_ptr() for p in module.parameters()}
+def local(tensor):
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def saved_for_backward(module, forward, precision="fp32"):
+    """Bytes autograd keeps for backward while ``forward()`` runs (this rank's shard of a
+    DTensor): each storage once, the module's own parameters (saved by its matmuls) and, under
+    autocast, their 16-bit copies left out, as they are not activations (memory counts the
+    copies with the parameters)."""
+    parameters = {local(p).untyped_storage().data_ptr() for p in module.parameters()}
     saved = {}
 
     def pack(tensor):
-        storage = tensor.untyped_storage()
+        storage = local(tensor).untyped_storage()
         if storage.data_ptr() not in parameters:
             saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+    with (torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor),
+          torch.autocast("cpu", torch.bfloat16, enabled=precision != "fp32")):
         forward()
-    return sum(saved.values())
+    copies = sum(2 * local(p).numel() for p in module.parameters() if p.dim() == 2)
+    return sum(saved.values()) - (copies if precision != "fp32" else 0)
 
 
 def test_the_parameter_count_is_the_models():
@@ -91,13 +101,13 @@ def test_bf16_mixed_adds_the_bytes_of_real_bf16_copies(measured_tiny):
     assert fsdp["params"] == measured_tiny["params"] / 2 + block_copy  # one block gathered
 
 
-def test_a_blocks_activations_are_what_autograd_saves():
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_a_blocks_activations_are_what_autograd_saves(precision):
     block = real_model(TINY).transformer.h["0"]
     x = torch.randn(4, TINY.block_size, TINY.n_embd, requires_grad=True)
-    measured = saved_for_backward(block, lambda: block(x))
-    formula = memory.activation_bytes(TINY, 4, TINY.block_size, "fp32", blocks=1, logits=False)
-    # Korthikanti et al.'s count includes two dropout masks the kit's model does not have
-    assert measured == pytest.approx(formula, rel=0.1)
+    measured = saved_for_backward(block, lambda: block(x), precision)
+    assert measured == memory.activation_bytes(TINY, 4, TINY.block_size, precision, blocks=1,
+                                               logits=False)
 
 
 def test_checkpointing_keeps_each_blocks_input_and_recomputes_one_block():
@@ -116,7 +126,7 @@ def test_activations_do_not_shrink_with_more_data_parallel_ranks():
     eight = memory.per_rank_bytes(GPT2, "fsdp", 8, micro_batch=8)
     assert one["activations"] == eight["activations"]  # each rank runs its own micro-batch
     recomputed = memory.activation_bytes(GPT2, 8, 1024, "fp32", activation_checkpointing=True)
-    assert recomputed < one["activations"] / 2  # the fp32 logits stay: 3.3 of the 4.0 GB
+    assert recomputed < one["activations"] / 2  # the fp32 logits stay: 1.6 of the 2.4 GB
 
 
 def test_fits_leaves_a_tenth_of_each_device():
@@ -144,9 +154,12 @@ def test_tensor_parallel_share_is_what_the_tp_stage_holds(fake_process_group):
     held = sum(p.to_local().numel() for p in model.parameters())
     assert shape.tensor_parallel_parameters(4) == held
     assert shape.tensor_parallel_parameters(1) == shape.parameters
-    tp = memory.per_rank_bytes(GPT2, "tp", 4, micro_batch=8)
-    ddp = memory.per_rank_bytes(GPT2, "ddp", 4, micro_batch=8)
-    assert tp["activations"] == ddp["activations"] / 4  # sequence parallel splits them too
+    block = model.transformer.h["0"]
+    x = torch.randn(2, shape.block_size // 4, shape.n_embd, requires_grad=True)  # its sequence
+    for precision in ("fp32", "bf16-mixed"):
+        kept = saved_for_backward(block, lambda: block(x), precision)
+        assert kept == memory.activation_bytes(shape, 2, shape.block_size, precision, blocks=1,
+                                               logits=False, tp=4)
 
 
 def test_pipeline_stages_hold_what_the_pp_stage_keeps():
@@ -159,9 +172,73 @@ def test_pipeline_stages_hold_what_the_pp_stage_keeps():
     assert GPT2.pipeline_stage_blocks(5) == [3, 3, 2, 2, 2]
     assert GPT2.pipeline_stage_parameters(5) == counts
     assert GPT2.pipeline_stage_parameters(1) == [GPT2.parameters]
-    assert memory.per_rank_bytes(GPT2, "pp", 5)["params"] == 4 * max(counts)
+    every_stage = memory.pipeline_stage_bytes(GPT2, 5)
+    assert [parts["params"] for parts in every_stage] == [4 * n for n in counts]
+    assert memory.per_rank_bytes(GPT2, "pp", 5) == max(every_stage, key=lambda p: p["total"])
     with pytest.raises(KitError, match="13 pipeline stages: use 1 to 12"):
         GPT2.pipeline_stage_parameters(13)
+
+
+def test_the_last_pipeline_stage_holds_the_logits_and_is_the_busiest():
+    """Issue 46: the model left the last stage's logits out, and took the first stage, which
+    keeps the most microbatches in flight, for the busiest."""
+    first, last = memory.pipeline_stage_bytes(GPT2, 2, "bf16-mixed", micro_batch=64)
+    assert first["logit_grads"] == 0 and last["logit_grads"] > 0
+    assert last["total"] > first["total"]
+    assert memory.per_rank_bytes(GPT2, "pp", 2, "bf16-mixed", micro_batch=64) == last
+
+
+def test_the_loss_chunk_is_the_models():
+    assert memory.LOSS_CHUNK_TOKENS == gpt.LOSS_CHUNK_TOKENS
+
+
+def test_the_chunked_loss_is_pytorchs_cross_entropy():
+    logits = torch.randn(3, 50, 40, requires_grad=True)  # 150 tokens: chunks of 64, 64, 22
+    targets = torch.randint(0, 40, (3, 50))
+    chunked = gpt.cross_entropy(logits, targets, chunk_tokens=64)
+    (chunked_grad,) = torch.autograd.grad(chunked, logits)
+    whole = F.cross_entropy(logits.view(-1, 40), targets.view(-1))
+    (whole_grad,) = torch.autograd.grad(whole, logits)
+    torch.testing.assert_close(chunked, whole)  # fp32's tolerances
+    torch.testing.assert_close(chunked_grad, whole_grad)
+
+
+def test_the_loss_never_copies_the_whole_16_bit_logits_to_fp32():
+    """bf16 logits of 8 chunks of tokens: what their loss's forward and backward allocate at
+    most is the prediction, less than the logits and one fp32 copy of them (which ATen's
+    log-softmax of bf16 logits with dtype=float32 makes)."""
+    shape = memory.Model(n_layer=1, n_embd=64, n_head=4, vocab_size=1024, block_size=2048)
+    scores = torch.randn(4, 2048, shape.vocab_size, dtype=torch.bfloat16)
+    bias = torch.zeros(shape.vocab_size, dtype=torch.bfloat16, requires_grad=True)
+    targets = torch.randint(0, shape.vocab_size, (4, 2048))
+    with memory.allocated_peak() as measured:
+        # the logits: made here (counted, then released by backward), as by the model's head
+        gpt.cross_entropy(scores + bias, targets).backward()
+    logit_bytes = scores.numel() * 2
+    predicted = logit_bytes + memory.logit_gradient_bytes(shape, 4, 2048, "bf16-mixed")
+    assert measured["peak"] == pytest.approx(predicted, rel=0.01)
+    assert measured["peak"] < logit_bytes + 2 * logit_bytes
+
+
+def test_the_measured_bf16_peak_of_a_tiny_training_step_is_the_prediction():
+    """One training step of the tiny model on one process, in bf16, as a GPU's allocator would
+    count it: what the step adds to the parameters, gradients and AdamW state (held from a
+    first step, as while gradients accumulate) is what coursekit.memory predicts. A sample of 64
+    tokens keeps the test short: this CPU computes bf16 matmuls slowly."""
+    model = real_model(TINY)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()  # AdamW's state exists from here on
+    x = torch.randint(0, TINY.vocab_size, (1, 64))
+    with memory.allocated_peak() as measured:
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = gpt.cross_entropy(model(x), x)
+        loss.backward()
+        optimizer.step()
+    predicted = memory.per_rank_bytes(TINY, "ddp", 1, "bf16-mixed", micro_batch=1, seq_len=64)
+    held = 4 * TINY.parameters * (1 + 1 + memory.ADAM_STATES)  # fp32 parameters, grads, m, v
+    assert measured["peak"] == pytest.approx(predicted["total"] - held, rel=0.1)
 
 
 @pytest.mark.parametrize("kwargs, message", [

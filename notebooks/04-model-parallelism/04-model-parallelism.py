@@ -108,13 +108,14 @@ FSDP_COPY, TP_COPY, PP_COPY = (Path(name).resolve() for name in
 # 2,000 clean steps $S$ doubles. Under FSDP every rank must skip together, so the stages use the
 # sharded scaler, which all-reduces the overflow flag.
 #
-# **Activations** are what forward keeps for backward: about $34\,b\,T\,d$ *bytes* per block
+# **Activations** are what forward keeps for backward: about $40\,b\,T\,d$ *bytes* per block
 # in 16-bit training, for a micro-batch of $b$ samples of $T$ tokens and width $d$ (Korthikanti et
-# al., 2022, with flash attention: their $34\,sbh$ counts bytes, 2 per stored 16-bit value and 1
-# per dropout-mask entry), twice that in fp32, plus the loss's log-probabilities, $b \times T
-# \times$ vocabulary fp32 values. As backward starts, their gradients and the logits' join them
-# (6 more bytes per logit in 16-bit; `logit_grads` in the calculator below): with GPT-2's
-# 50,304-word vocabulary, about as much as the twelve blocks' activations. None of this depends
+# al., 2022, count $34\,sbh$ with flash attention; here the LayerNorms' inputs stay fp32, and q, k
+# and v each keep their own 16-bit copy of their input), $64\,b\,T\,d$ in fp32, plus the logits,
+# $b \times T \times$ vocabulary values. The loss turns them into fp32 a chunk of tokens at a time,
+# so as backward starts only their gradients join them (2 more bytes per logit in 16-bit, and one
+# chunk's fp32 work; `logit_grads` in the calculator below): with GPT-2's 50,304-word
+# vocabulary, nearly as much as the twelve blocks' activations. None of this depends
 # on the number of parameters, and data parallelism never splits it: only a smaller micro-batch,
 # **activation checkpointing** (keep each block's input, recompute the rest in backward) or a
 # model-parallel split makes it smaller.
@@ -399,8 +400,8 @@ print(f"checkpointing: {ckpt_s / plain_s:.2f}x the time for {1 - ckpt_held / pla
 # %% [markdown]
 # Each line gives the prediction of `coursekit.memory` and how far it is from what forward really
 # keeps: a few lines of arithmetic, against the allocator. Most of what checkpointing leaves is
-# the logits ($4 \times 256 \times 50{,}304$ floats and their softmax), which checkpointing the
-# blocks does not touch. The time it costs is on the last line: on this small model the output
+# the logits ($4 \times 256 \times 50{,}304$ floats, which the loss keeps), untouched by checkpointing
+# the blocks. The time it costs is on the last line: on this small model the output
 # head, which is not recomputed, does most of the arithmetic, while on GPT-2-sized blocks
 # recomputing them adds about a third to forward and backward.
 #
