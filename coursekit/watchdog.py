@@ -11,10 +11,11 @@ RUN_DIR/ranks/<rank>.jsonl, one line per step:
     ready_s  the time from the step's start to the end of this rank's last forward pass: its own
              work (data and forward) before it waits for the others in backward, where DDP's
              all-reduce runs. A straggler is the rank whose ready_s stands out.
-RUN_DIR/ranks/<rank>.stacks: when no step ends within KIT_WATCHDOG seconds, the Python stack of
-every thread of this process, as faulthandler writes it, and one line on stderr that says so.
-Each rank writes its own, so a hung job leaves every rank's stacks: the rank stuck elsewhere than
-in a collective is the one the others wait for. KIT_WATCHDOG=0 turns it off.
+RUN_DIR/ranks/<rank>.stacks: when no step ends within KIT_WATCHDOG seconds (the first step, which
+compiles, within FIRST_STEP_S), the Python stack of every thread of this process, as faulthandler
+writes it, and one line on stderr that says so. Each rank writes its own, so a hung job leaves
+every rank's stacks: the rank stuck elsewhere than in a collective is the one the others wait for.
+KIT_WATCHDOG=0 turns it off.
 """
 import faulthandler
 import json
@@ -24,12 +25,21 @@ import threading
 import time
 from pathlib import Path
 
+import torch
+
 from coursekit import KitError
 
 WATCHDOG_VARIABLE = "KIT_WATCHDOG"
-#: Seconds with no step ended before the stacks are written: more than a first step that compiles
-#: the model takes, and less than a collective waits (KIT_DIST_TIMEOUT, 600 s)
+#: Seconds with no step ended before the stacks are written: more than a step and an evaluation
+#: take, and less than a collective waits (KIT_DIST_TIMEOUT, 600 s)
 DEFAULT_WATCHDOG_S = 300
+#: The first step's own allowance, in seconds (or KIT_WATCHDOG's, if longer). It compiles the model
+#: (--compile, on by default on GPUs): a minute or two for GPT-2 on a CUDA GPU, many more on ROCm,
+#: where Triton builds each kernel for the GPU, or on a single CPU core, and also the first
+#: collective's set-up (NCCL's communicators). Stacks written then would say "hung" about a job
+#: that is compiling. A first step that truly hangs in a collective still ends at the collective's
+#: timeout, with the one line that names it.
+FIRST_STEP_S = 1800
 
 
 def watchdog_seconds():
@@ -59,6 +69,10 @@ class StepWatch:
         if self.limit:
             threading.Thread(target=self.watch, name="kit-watchdog", daemon=True).start()
 
+    # Run as it is, never traced: a compiled model runs its hooks inside its compiled region,
+    # where time.perf_counter() would break the graph, and the graph after the break would
+    # compile again for every mode the model runs in (training, evaluation).
+    @torch.compiler.disable
     def forward_ended(self, module, inputs, output):
         self.forward_end = time.perf_counter()
 
@@ -76,16 +90,21 @@ class StepWatch:
         reported = None
         while True:
             time.sleep(min(1.0, self.limit / 4))
-            stalled_since = self.last_progress
-            if stalled_since == reported or time.perf_counter() - stalled_since < self.limit:
+            stalled_since, allowed = self.last_progress, self.allowed_s()
+            if stalled_since == reported or time.perf_counter() - stalled_since < allowed:
                 continue
             reported = stalled_since
             path = self.folder / f"{self.rank}.stacks"
             after = f"step {self.last_step}" if self.last_step else "the start"
             with open(path, "a") as stacks:
-                stacks.write(f"--- no step ended within {self.limit:g} s after {after} ---\n")
+                stacks.write(f"--- no step ended within {allowed:g} s after {after} ---\n")
                 stacks.flush()
                 faulthandler.dump_traceback(stacks, all_threads=True)
-            print(f"watchdog: rank {self.rank} ended no step within {self.limit:g} s after "
+            print(f"watchdog: rank {self.rank} ended no step within {allowed:g} s after "
                   f"{after} ({WATCHDOG_VARIABLE}); the stacks of its threads are in {path}",
                   file=sys.stderr, flush=True)
+
+    def allowed_s(self):
+        """Seconds the step under way may take: KIT_WATCHDOG's, or FIRST_STEP_S for this
+        process's first step (a resumed run's too: it compiles again)."""
+        return self.limit if self.last_step is not None else max(self.limit, FIRST_STEP_S)
