@@ -156,10 +156,11 @@ def main(argv=None):
     config = GPTConfig(vocab_size=preset.vocab_size, block_size=preset.seq_len,
                        n_layer=args.n_layer, n_head=preset.n_head, n_embd=preset.n_embd)
     model = GPT(config).to(device)
-    if args.compile:
-        model.compile()  # in place: state_dict keys stay the same as without compile
     # DDP averages gradients across processes, bucket by bucket while backward is still running
     ddp_model = DDP(model)
+    if args.compile:  # after the wrap (docs.pytorch.org/docs/stable/notes/ddp.html): compiled in
+        # DDP's forward, the graph is split at its buckets, whose all-reduces overlap backward
+        model.compile()  # in place: state_dict keys stay the same as without compile
 
     B, T = args.micro_batch, args.seq_len
     grad_accum = training.batch_split(args, world_size)
