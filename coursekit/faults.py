@@ -13,7 +13,8 @@ can cause.
 - a full disk or quota: the path that could not be written;
 - memory that ran out (a GPU's, or a CPU process's limit): how much was asked for, where, and the
   fixes that keep the training the same.
-Anything else is a bug, and keeps its traceback.
+Anything else is a bug, and keeps its traceback. Under torchrun --max-restarts, only a killed
+process or a lost peer is started again: a failure that would only repeat stops the launch.
 
 The stages start their process group with coursekit.distributed.setup: collectives that time
 out (KIT_DIST_TIMEOUT seconds) rather than wait for ever.
@@ -36,21 +37,76 @@ TIMEOUT_VARIABLE = "KIT_DIST_TIMEOUT"  # coursekit.distributed reads it
 
 def run(main):
     """main()'s exit status, or the one line (an exit status of 1 for sys.exit) that says why
-    it could not finish; see the module's docstring."""
+    it could not finish; see the module's docstring. A failure that a restart cannot mend is
+    not tried again (see "restarts" below)."""
+    earlier = failure_of_the_first_attempt()
+    if earlier:
+        return f"error: not restarted, as a restart cannot mend it: {earlier}"
     try:
         return main()
-    except KitError as err:  # problems the user can fix, found after start-up
-        return f"error: {err}"
-    except OSError as err:
-        if err.errno not in NO_ROOM:
+    except SystemExit as exit_:  # argparse's refusal of a bad argument (exit 2)
+        if exit_.code not in (0, None):
+            remember_failure(f"exit {exit_.code}: the command line was refused (its error above)")
+        raise
+    except Exception as err:
+        line = one_line(err)
+        if not is_collective_failure(err):  # a lost peer is what a restart is for
+            remember_failure(line or f"{type(err).__name__}: {err}")
+        if line is None:  # a bug: its traceback says where
             raise
-        return f"error: {no_room(err)}; {RESUME}"
-    except RuntimeError as err:
-        if OUT_OF_MEMORY.search(str(err)):
-            return f"error: {out_of_memory(err)}"
-        if not is_collective_failure(err):
-            raise
-        return f"error: {collective_failure(err)}; {RESUME}"
+        return f"error: {line}"
+
+
+def one_line(err):
+    """The line that says why ``err`` ended the run, for what a user or a cluster can cause;
+    None for anything else (a bug)."""
+    if isinstance(err, KitError):  # problems the user can fix, found after start-up
+        return str(err)
+    if isinstance(err, OSError) and err.errno in NO_ROOM:
+        return f"{no_room(err)}; {RESUME}"
+    if isinstance(err, RuntimeError) and OUT_OF_MEMORY.search(str(err)):
+        return out_of_memory(err)
+    if isinstance(err, RuntimeError) and is_collective_failure(err):
+        return f"{collective_failure(err)}; {RESUME}"
+    return None
+
+
+# --- restarts -------------------------------------------------------------------------------
+# torchrun --max-restarts starts a failed group again, whatever failed. That mends a process
+# that was killed (the node's out-of-memory killer, a lost node) or a peer that went with it,
+# but a bad value, an out-of-memory error or a bug fails again, each time after a new start,
+# compile and first steps. So a process that fails in such a way notes it where the restarted
+# processes of the same launch look first: the folder torchrun keeps for this launch's attempts
+# (its error files' TORCHELASTIC_ERROR_FILE=<launch>/attempt_N/<rank>/error.json), private to
+# the user and gone with the launch. They stop at once with the same line; the job fails in
+# seconds, where it took three full attempts.
+FAILED_FIRST = "failed.txt"
+
+
+def launch_folder():
+    """torchrun's folder for this launch's attempts, or None outside torchrun or without
+    restarts to save."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file or int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0)) == 0:
+        return None
+    return Path(error_file).parents[2]
+
+
+def remember_failure(line):
+    folder = launch_folder()
+    if folder is not None and folder.is_dir():
+        partial = folder / f".{FAILED_FIRST}.{os.getpid()}"
+        partial.write_text(line)
+        os.replace(partial, folder / FAILED_FIRST)  # whole, whichever rank writes last
+
+
+def failure_of_the_first_attempt():
+    """The line an earlier attempt of this launch failed with, where a restart cannot mend it."""
+    folder = launch_folder()
+    if folder is None or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) == 0:
+        return None
+    marker = folder / FAILED_FIRST
+    return marker.read_text() if marker.exists() else None
 
 
 def no_room(err):

@@ -7,6 +7,7 @@ import os
 import re
 import resource
 import shutil
+import sys
 import time
 
 import psutil
@@ -14,7 +15,7 @@ import pytest
 
 from conftest import (ONE_THREAD, TEN_STEPS, TWENTY_STEPS, kit_env, run_stage, torchrun,
                       torchrun_command)
-from coursekit import KIT_ROOT, runs
+from coursekit import KIT_ROOT, faults, runs
 from helpers import interrupt
 from test_stage_std import assert_identical, assert_same_run
 
@@ -90,6 +91,51 @@ def test_a_crash_beyond_the_restarts_fails_and_keeps_the_checkpoint(builtin_data
     assert result.stderr.count("lost a peer: another process died") == 2
     assert runs.checkpoint_step(runs.checkpoint_to_resume(tmp_path)) == 2
     assert [r["step"] for r in runs.read_metrics(tmp_path)] == [1, 2, 3]
+
+
+PP_SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_pp.py"
+
+
+def test_a_failure_a_restart_cannot_mend_is_not_restarted(builtin_data, tmp_path):
+    """torchrun starts the group twice more (--max-restarts=2, as the batch files say), but the
+    restarted processes stop before they start, with the first attempt's line. (Which process of
+    an attempt says so first is a race: torchrun stops the other when one has failed.)"""
+    result = torchrun(2, PP_SCRIPT, "--preset", "tiny", "--micro-batch", "4", "--batch-tokens",
+                      "512", "--device", "cpu", "--data", builtin_data, "--out", tmp_path,
+                      restarts=2, check=False)
+    first_error = "--schedule 1f1b needs a microbatch per stage: 1 microbatches < 2 stages"
+    assert result.returncode != 0 and f"error: {first_error}" in result.stderr
+    repeated = re.findall(r"error: not restarted, as a restart cannot mend it: (.*)",
+                          result.stderr)
+    # both restarts happened, and stopped: at least one process of each said why
+    assert 2 <= len(repeated) <= 4 and all(line.startswith(first_error) for line in repeated), \
+        repeated
+    assert result.stdout.count("2 processes, backend gloo") == 1  # only the first started
+
+
+@pytest.mark.parametrize("failure, remembered", [
+    (lambda: sys.exit(2), "exit 2: the command line was refused (its error above)"),
+    (lambda: None + 1, "TypeError: unsupported operand type(s) for +: 'NoneType' and 'int'"),
+    (lambda: sys.exit(0), None),  # a clean exit is no failure
+], ids=["bad-argument", "bug", "clean-exit"])
+def test_what_torchruns_next_attempt_finds_of_the_first(tmp_path, monkeypatch, failure,
+                                                       remembered):
+    """torchrun's folder for a launch's attempts, as it gives it to its processes."""
+    launch = tmp_path / "torchelastic_x" / "none_y"
+    (launch / "attempt_0" / "0").mkdir(parents=True)
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(launch / "attempt_0" / "0" / "error.json"))
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    with pytest.raises((SystemExit, TypeError)):
+        faults.run(failure)
+        sys.exit(0)  # a clean run returns
+    marker = launch / faults.FAILED_FIRST
+    assert (marker.read_text() if marker.exists() else None) == remembered
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    started = []
+    result = faults.run(lambda: started.append(True) or 0)
+    assert (result, started) == ((f"error: not restarted, as a restart cannot mend it: "
+                                  f"{remembered}", []) if remembered else (0, [True]))
 
 
 def test_a_disk_that_fills_during_a_checkpoint_loses_nothing(builtin_data, tmp_path,
