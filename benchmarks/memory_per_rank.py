@@ -1,13 +1,22 @@
-"""Bytes per rank of the model-parallel stages, predicted by coursekit.memory and measured.
+"""Peak bytes per rank of every GPT stage under bf16 autocast: measured on CPU processes, and
+predicted by coursekit.memory.
 
-Runs fsdp, tp and pp on 2 and 4 processes (and tp as dp=2 x tp=2) for a few tiny steps, reads each
-run's memory.json (the bytes of the parameter, gradient and optimiser tensors every rank holds,
-and its peak resident memory) and sets them beside the arithmetic. Writes
+Each stage script's own main() trains 2 steps (evaluating and saving a checkpoint after the
+second) in 2 CPU processes (std: 1), started by torchrun with the static rendezvous, inside
+coursekit.memory.allocated_peak: the most bytes of tensors a rank held at once, which is what
+torch.cuda.max_memory_allocated counts on a GPU, where autocast runs the same ATen operators.
+The prediction is coursekit.memory.per_rank_bytes for the stage's strategy (std, ddp and lit:
+ddp; pp: each rank's own stage, pipeline_stage_bytes). "unreleased" is what the profiler still
+counted when the run ended: tensors that a communication thread released last, which it does not
+see, so that the measured peak may be too high by up to that much. Writes
 benchmarks/results/memory_per_rank.json and prints a Markdown table.
 
-    .venv/bin/python benchmarks/memory_per_rank.py
+    .venv/bin/python benchmarks/memory_per_rank.py [--presets tiny small]
 """
 import argparse
+import dataclasses
+import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -16,64 +25,86 @@ from pathlib import Path
 
 from throughput import machine, stage_command
 
-from coursekit import KIT_ROOT, data, memory, presets, runs
+from coursekit import KIT_ROOT, data, launch, memory, presets, runs, stages
 
 RESULTS = KIT_ROOT / "benchmarks" / "results" / "memory_per_rank.json"
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
-TINY = memory.Model.from_preset(presets.get_preset("tiny"))
+PRECISION = "bf16-mixed"
+STEPS = 2  # the second step's backward is the peak: the optimiser state exists by then
 MiB = 2**20
-# (stage, processes, extra flags): the micro-batch keeps the 1,024-token minibatch splitting
-RUNS = [("fsdp", 2, []), ("fsdp", 4, ["--micro-batch", "2"]),
-        ("tp", 2, ["--tp", "2"]), ("tp", 4, ["--tp", "4"]),
-        ("tp", 4, ["--tp", "2", "--micro-batch", "2"]),
-        ("pp", 2, []), ("pp", 4, ["--micro-batch", "2"])]
+#: stage: (coursekit.memory strategy, processes, the stage's own flags)
+#: sizes that keep a run within minutes: a CPU without bf16 instructions computes bf16 matmuls
+#: about 7 times slower than fp32 ones
+SIZES = {"tiny": {}, "small": {"micro_batch": 2, "batch_tokens": 1024, "eval_steps": 1}}
+STAGES = {"std": ("ddp", 1, []), "ddp": ("ddp", 2, []), "lit": ("ddp", 2, ["--devices", "2"]),
+          "fsdp": ("fsdp", 2, []), "tp": ("tp", 2, ["--tp", "2"]), "pp": ("pp", 2, [])}
 
 
-def predicted_params(stage, processes, flags):
-    """Parameters each rank should hold, rank by rank."""
-    if stage == "fsdp":
-        return [TINY.parameters / processes] * processes
-    if stage == "tp":  # FSDP splits each tensor-parallel shard again over the dp replicas
-        tp = int(flags[flags.index("--tp") + 1])
-        return [TINY.tensor_parallel_parameters(tp) / (processes // tp)] * processes
-    return TINY.pipeline_stage_parameters(processes)
+def predicted(stage, preset):
+    """{part: bytes} coursekit.memory predicts for each rank of ``stage``."""
+    strategy, processes, _ = STAGES[stage]
+    model = memory.Model.from_preset(preset)
+    if strategy == "pp":
+        return memory.pipeline_stage_bytes(model, processes, PRECISION, preset.micro_batch,
+                                           preset.seq_len)
+    return [memory.per_rank_bytes(model, strategy, processes, PRECISION, preset.micro_batch,
+                                  preset.seq_len)] * processes
 
 
-def measure(stage, processes, flags, data_dir, steps):
+def measure(stage, preset_name, data_dir):
+    """[{"peak": bytes, "unreleased": bytes}] of each rank of ``stage``, run for STEPS steps."""
+    _, processes, flags = STAGES[stage]
+    sizes = [flag for name, value in SIZES[preset_name].items()
+             for flag in (f"--{name.replace('_', '-')}", str(value))]
     with tempfile.TemporaryDirectory() as out:
-        command = stage_command(f"train_gpt2_{stage}.py", "tiny", data_dir, out, steps)
-        subprocess.run([TORCHRUN, "--standalone", f"--nproc-per-node={processes}", *command,
-                        "--device", "cpu", *flags], check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
-        return runs.read_json(Path(out) / "memory.json")
+        command = [*stage_command(f"train_gpt2_{stage}.py", preset_name, data_dir, out, STEPS),
+                   "--device", "cpu", "--precision", "bf16", *sizes, *flags]
+        worker = [__file__, "--worker", stage, "--", *command[1:]]
+        subprocess.run([*launch.torchrun(processes), *worker], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return [json.loads((Path(out) / f"peak-{rank}.json").read_text())
+                for rank in range(processes)]
+
+
+def worker(stage, argv):
+    """In each torchrun process: the stage's main(), its tensors' peak written beside its run."""
+    module = stages.load(stage)
+    with memory.allocated_peak() as result:
+        module.main(argv)
+    out = Path(argv[argv.index("--out") + 1])
+    (out / f"peak-{os.environ['RANK']}.json").write_text(json.dumps(result))
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--presets", nargs="+", default=["tiny", "small"])
+    parser.add_argument("--stages", nargs="+", default=list(STAGES), choices=list(STAGES))
     parser.add_argument("--data", default=str(KIT_ROOT / "data" / "builtin"))
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     if not (Path(args.data) / "meta.json").exists():
         data.prepare_builtin(args.data)
-    result = {"benchmark": "bytes per rank, tiny preset, fp32 on CPU", "steps": args.steps,
-              "date": time.strftime("%Y-%m-%d"), "machine": machine(),
-              "whole_model_params_bytes": 4 * TINY.parameters, "runs": []}
-    print("| stage | processes | flags | rank | params MiB predicted | measured | grads MiB "
-          "| optimizer MiB | peak RSS MiB |\n|---|---|---|---|---|---|---|---|---|")
-    for stage, processes, flags in RUNS:
-        reports = measure(stage, processes, flags, args.data, args.steps)
-        predicted = predicted_params(stage, processes, flags)
-        result["runs"].append({"stage": stage, "processes": processes, "flags": flags,
-                               "predicted_params_bytes": [4 * n for n in predicted],
-                               "measured": reports})
-        for rank, (report, n) in enumerate(zip(reports, predicted, strict=True)):
-            print(f"| {stage} | {processes} | {' '.join(flags)} | {rank} | {4 * n / MiB:.2f} | "
-                  f"{report['params'] / MiB:.2f} | {report['grads'] / MiB:.2f} | "
-                  f"{report['optimizer'] / MiB:.2f} | {report['peak'] / MiB:.0f} |")
+    result = {"benchmark": f"peak tensor bytes per rank, {PRECISION} on CPU processes, "
+                           f"{STEPS} steps", "date": time.strftime("%Y-%m-%d"),
+              "machine": machine(), "sizes": SIZES, "runs": []}
+    print("| preset | stage | rank | predicted MiB | measured MiB | measured / predicted | "
+          "unreleased MiB |\n|---|---|---|---|---|---|---|")
+    for preset_name in args.presets:
+        preset = dataclasses.replace(presets.get_preset(preset_name), **SIZES[preset_name])
+        for stage in args.stages:
+            peaks = measure(stage, preset_name, args.data)
+            for rank, (peak, parts) in enumerate(zip(peaks, predicted(stage, preset),
+                                                     strict=True)):
+                result["runs"].append({"preset": preset_name, "stage": stage, "rank": rank,
+                                       "predicted": parts, "measured": peak})
+                print(f"| {preset_name} | {stage} | {rank} | {parts['total'] / MiB:,.1f} | "
+                      f"{peak['peak'] / MiB:,.1f} | {peak['peak'] / parts['total']:.3f} | "
+                      f"{peak['unreleased'] / MiB:,.1f} |", flush=True)
     runs.write_json_atomic(args.out, result)
     print(f"written to {args.out}")
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--worker"]:
+        worker(sys.argv[2], sys.argv[4:])
+    else:
+        main()
