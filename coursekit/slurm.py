@@ -419,7 +419,8 @@ def loader_workers(profile):
 #: Above a torchrun launch: what --max-restarts does.
 RESTARTS_NOTE = ("# a process that crashes restarts the group, which resumes from the last "
                  f"checkpoint, at most\n# {launch.BATCH_RESTARTS} times in this job "
-                 "(--max-restarts); a crash after that fails the job, its checkpoint kept\n")
+                 "(--max-restarts); a crash after that fails the job, its checkpoint kept.\n"
+                 "# An error a restart cannot mend (a bad value, out of memory) fails it at once\n")
 
 #: Above a command whose single quotes keep $SLURM_NODEID for each node's own shell.
 SINGLE_QUOTED_NOTE = "# shellcheck disable=SC2016  # each node's shell expands them, not this one\n"

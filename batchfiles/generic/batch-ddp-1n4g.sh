@@ -45,7 +45,8 @@ echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELI
 preempted=0
 trap 'preempted=1; scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
 # a process that crashes restarts the group, which resumes from the last checkpoint, at most
-# 2 times in this job (--max-restarts); a crash after that fails the job, its checkpoint kept
+# 2 times in this job (--max-restarts); a crash after that fails the job, its checkpoint kept.
+# An error a restart cannot mend (a bad value, out of memory) fails it at once
 # shellcheck disable=SC2016  # each node's shell expands them, not this one
 srun --kill-on-bad-exit=1 bash -c 'PET_NODE_RANK="$SLURM_NODEID" exec "$@"' per-node torchrun \
     --nnodes=1 --nproc-per-node=4 --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
