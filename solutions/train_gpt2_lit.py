@@ -16,6 +16,7 @@ The words of the course, as this script uses them:
     identity    tokens seen = steps x minibatch x T
 """
 import importlib.util
+import math
 import os
 import re
 import sys
@@ -106,6 +107,9 @@ class LitGPT(L.LightningModule):
         super().__init__()
         self.gpt = GPT(config)
         self.matrices = matrix_names(self.gpt)  # before the Trainer wraps (and may shard) it
+        # Compiled before the Trainer wraps it in DDP, as Lightning's guide compiles a module before
+        # fit (https://lightning.ai/docs/pytorch/stable/advanced/compile.html): it runs inside
+        # DDP's forward all the same, where TorchDynamo splits its graph at DDP's buckets
         if args.compile:
             self.gpt.compile()  # in place: state_dict keys stay the same as without compile
         self.args, self.preset, self.grad_accum = args, preset, grad_accum
@@ -121,7 +125,11 @@ class LitGPT(L.LightningModule):
     def val_dataloader(self):  # the same samples at every validation, shared out across ranks
         val_loader = TokenShardLoader(self.args.data, "val", self.args.micro_batch,
                                       self.args.seq_len)
-        x, y = zip(*(val_loader.next_batch() for _ in range(self.args.eval_steps)))
+        # --eval-steps rounded up to whole microbatches for every rank: a smaller last batch would
+        # weigh as much as a full one in the mean, and compile the model again for its shape
+        per_rank = math.ceil(self.args.eval_steps / self.trainer.world_size)
+        batches = per_rank * self.trainer.world_size
+        x, y = zip(*(val_loader.next_batch() for _ in range(batches)))
         return DataLoader(TensorDataset(torch.cat(x), torch.cat(y)), self.args.micro_batch)
 
     def configure_optimizers(self):
