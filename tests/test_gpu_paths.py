@@ -1,0 +1,115 @@
+"""What a GPU runs by default, run on CPU processes (issue 46): every GPT stage trains 2 steps
+compiled under bf16 autocast, with an evaluation and an 8-token sample, and 2 steps under fp16
+with loss scaling; std in one process, the others in 2. A CPU cannot prove Triton's kernels, but
+it runs the same tracing (TorchDynamo), the same graphs (AOTAutograd, DDP's buckets, FSDP2's and
+DTensor's), and the same recompiles: each compiled run states how many it allows, counted from
+PyTorch's own log of them (TORCH_LOGS=recompiles), whose lines say why when there are more.
+
+The runs are as short as the stages allow: 2 blocks, 2 x 16-token microbatches, 1 evaluation
+microbatch. This CPU computes bf16 and fp16 matmuls slowly, and a compile is most of a run's
+time: the compiled runs share one Inductor cache, so a graph or kernel compiled once (std's and
+ddp's are the same) is compiled once."""
+import math
+import re
+import time
+
+import pytest
+import torch
+
+from conftest import ONE_THREAD, kit_env, run_stage, session_folder, torchrun
+from coursekit import KIT_ROOT, runs
+from coursekit.watchdog import FIRST_STEP_S, StepWatch
+
+SHORT = ["--preset", "tiny", "--n-layer", "2", "--max-steps", "2", "--eval-interval", "2",
+         "--eval-steps", "1", "--micro-batch", "2", "--seq-len", "16", "--batch-tokens", "64",
+         "--sample-tokens", "8", "--device", "cpu"]
+#: Each stage's own flags on 2 processes (std runs in 1; lit starts its second process itself).
+#: lit shares 3 evaluation microbatches out over its 2 ranks: they must get whole ones each.
+STAGE_FLAGS = {"std": [], "ddp": [], "fsdp": [], "tp": ["--tp", "2"], "pp": [],
+               "lit": ["--devices", "2", "--eval-steps", "3"]}
+#: Recompiles each compiled run may make, on any one rank: the evaluation's forward, which runs
+#: without gradients (torch.no_grad, or Lightning's inference mode), is a graph of its own, compiled
+#: once. The sample is drawn eagerly (training.write_sample), and the evaluation's batches are the
+#: training's shape (in lit too: whole microbatches on every rank).
+ALLOWED_RECOMPILES = {"std": 1, "ddp": 1, "fsdp": 1, "tp": 1, "pp": 1, "lit": 1}
+#: fp16 on 2 processes: std's 1-process fp16 run is tests/test_stage_std.py's, and pp refuses fp16
+#: (torch's schedules run backward themselves, with no place to scale the loss: training.py)
+FP16_STAGES = ["ddp", "fsdp", "tp", "lit"]
+RECOMPILE = re.compile(r"^(?:\[rank(\d+)\]:)?.*Recompiling function (.*)$", re.MULTILINE)
+
+
+def train(stage, data, out, *flags, env=None):
+    """2 steps of ``stage`` into ``out`` with ``flags``: the CompletedProcess (text)."""
+    args = [*SHORT, *STAGE_FLAGS[stage], *flags, "--data", data, "--out", out]
+    env = kit_env({**ONE_THREAD, **(env or {})})
+    if stage in ("std", "lit"):
+        result = run_stage(f"train_gpt2_{stage}.py", *args, env=env)
+    else:
+        result = torchrun(2, KIT_ROOT / "solutions" / f"train_gpt2_{stage}.py", *args,
+                          check=False, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
+    return result
+
+
+def assert_trained_and_sampled(run_dir):
+    metrics = runs.read_metrics(run_dir)
+    assert [record["step"] for record in metrics] == [1, 2]
+    assert all(math.isfinite(record["loss"]) for record in metrics), metrics
+    assert math.isfinite(metrics[-1]["val_loss"]), metrics
+    assert (run_dir / "sample.txt").read_text().startswith("The")
+
+
+def recompiles_per_rank(output):
+    """{rank: [the functions compiled again, one entry per recompile]} from TORCH_LOGS output."""
+    found = {}
+    for rank, function in RECOMPILE.findall(output):
+        found.setdefault(int(rank or 0), []).append(function)
+    return found
+
+
+@pytest.fixture(scope="module")
+def inductor_cache(tmp_path_factory):
+    """One Inductor cache for the compiled runs, private to this test session."""
+    return session_folder(tmp_path_factory, "inductor-cache")
+
+
+@pytest.mark.stages
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", list(STAGE_FLAGS))
+def test_compiled_bf16_trains_evaluates_and_samples_within_its_recompiles(
+        stage, builtin_data, tmp_path, inductor_cache):
+    result = train(stage, builtin_data, tmp_path, "--precision", "bf16", "--compile",
+                   env={"TORCH_LOGS": "recompiles,torch._dynamo.backends.distributed",
+                        "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)})
+    assert runs.read_json(tmp_path / "config.json")["precision"] == "bf16 autocast"
+    assert_trained_and_sampled(tmp_path)
+    output = result.stdout + result.stderr
+    recompiles = recompiles_per_rank(output)
+    assert max(map(len, recompiles.values()), default=0) <= ALLOWED_RECOMPILES[stage], \
+        "\n".join(line for line in output.splitlines() if "__recompiles" in line)
+    if stage in ("ddp", "lit"):  # compiled inside DDP's forward: the graph split at its buckets
+        assert "DDPOptimizer used bucket cap" in output
+
+
+@pytest.mark.stages
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", FP16_STAGES)
+def test_fp16_scales_the_loss_trains_evaluates_and_samples(stage, builtin_data, tmp_path):
+    train(stage, builtin_data, tmp_path, "--precision", "fp16")
+    assert runs.read_json(tmp_path / "config.json")["precision"] == \
+        "fp16 autocast, loss scaling"
+    assert_trained_and_sampled(tmp_path)
+
+
+@pytest.mark.unit
+def test_the_first_step_which_compiles_has_its_own_watchdog_allowance(tmp_path, monkeypatch):
+    """A first step longer than KIT_WATCHDOG writes no stacks; a later one does."""
+    monkeypatch.setenv("KIT_WATCHDOG", "0.2")
+    watch = StepWatch(tmp_path, 0, torch.nn.Linear(1, 1))
+    stacks = tmp_path / "ranks" / "0.stacks"
+    time.sleep(1)  # the first step, compiling
+    assert watch.allowed_s() == FIRST_STEP_S and not stacks.exists()
+    watch.step_done(1, time.perf_counter() - 1)
+    time.sleep(1)  # the second step, hung
+    assert watch.allowed_s() == 0.2
+    assert stacks.read_text().startswith("--- no step ended within 0.2 s after step 1 ---")
