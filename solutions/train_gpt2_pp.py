@@ -144,10 +144,9 @@ def clip_grad_norm(model, max_norm):
 
 
 def run_pipeline(run, stage, x, y):
-    """A minibatch through the schedule's step (train) or eval, cut into its M microbatches: the
-    first stage feeds the inputs, the last the targets. Returns N x the mean loss on the last of
-    the N stages, 0 on the others: averaged over the ranks (all_reduce_mean), the loss. Only the
-    losses: the last stage would otherwise keep every microbatch's logits to return them."""
+    """A minibatch through the schedule's step (train) or eval in M microbatches, for the losses
+    only (not the last stage's logits of every microbatch): N x the mean loss on the last of the
+    N stages, 0 on the others; averaged over the ranks (all_reduce_mean), the loss."""
     losses = []
     run(*([x] if stage.is_first else []), target=y if stage.is_last else None, losses=losses,
         return_outputs=False)
@@ -247,8 +246,7 @@ def main(argv=None):
             block.compile()
     model.forward = precision.in_autocast(model.forward)  # not backward, which the schedule runs
     stage = PipelineStage(model, rank, world_size, device)  # stage `rank`: sends to rank + 1
-    # scale_grads: loss_fn is each microbatch's mean, so the schedule divides the summed gradients
-    # by M to give those of the minibatch's mean loss (what grad_accum did in the fsdp stage)
+    # scale_grads: the schedule divides the gradients of M microbatch means by M (as grad_accum)
     schedule = SCHEDULES[args.schedule](stage, M, loss_fn=cross_entropy, scale_grads=True)
     tied_group = dist.new_group([0, world_size - 1]) if world_size > 1 else None  # wte, lm_head
 
