@@ -55,7 +55,7 @@ def argument_parser(doc, stage):
                         help="auto: bf16 on GPUs that compute in it, fp16 with loss scaling on "
                              "older ones, fp32 on a CPU")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                        help="torch.compile the model and loss (default: on GPUs, not on a CPU)")
+                        help="torch.compile the model (default: on GPUs, not on a CPU)")
     parser.add_argument("--sample-tokens", type=int, default=64, help="tokens generated at the end")
     parser.add_argument("--prompt", default="The", help="start of the generated sample")
     tracking.add_argument(parser)
