@@ -34,7 +34,7 @@ MiB = 2**20
 #: stage: (coursekit.memory strategy, processes, the stage's own flags)
 #: sizes that keep a run within minutes: a CPU without bf16 instructions computes bf16 matmuls
 #: about 7 times slower than fp32 ones
-SIZES = {"tiny": {}, "small": {"micro_batch": 2, "batch_tokens": 1024, "eval_steps": 1}}
+SIZES = {"tiny": {}, "small": {"micro_batch": 1, "batch_tokens": 512, "eval_steps": 1}}
 STAGES = {"std": ("ddp", 1, []), "ddp": ("ddp", 2, []), "lit": ("ddp", 2, ["--devices", "2"]),
           "fsdp": ("fsdp", 2, []), "tp": ("tp", 2, ["--tp", "2"]), "pp": ("pp", 2, [])}
 
