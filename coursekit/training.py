@@ -195,6 +195,10 @@ class Precision:
         self.autocast = (torch.autocast(device_type=device.type, dtype=self.dtype)
                          if self.dtype else nullcontext())
         self.scaler = grad_scaler(name, device)
+        if self.scaler.is_enabled():
+            # The scale, made now on every process: in a pipeline only the last stage scales a
+            # loss (the schedule's loss_fn), but every stage unscales its own gradients.
+            self.scaler.scale(torch.ones((), device=device))
 
     def in_autocast(self, forward):
         """``forward``, run in autocast: for code whose backward runs elsewhere (a pipeline
@@ -205,33 +209,33 @@ class Precision:
                 return forward(*args, **kwargs)
         return forward_in_autocast
 
+    def scaled(self, loss_fn):
+        """``loss_fn`` whose loss is multiplied by fp16's scale (by 1 otherwise): for a pipeline
+        schedule, which runs backward itself on what its loss_fn returns."""
+        @functools.wraps(loss_fn)
+        def scaled_loss(*args, **kwargs):
+            return self.scaler.scale(loss_fn(*args, **kwargs))
+        return scaled_loss
+
     @property
     def description(self):
         return {"bf16": "bf16 autocast", "fp16": "fp16 autocast, loss scaling",
                 "fp32": "fp32"}[self.name]
 
 
-def prepare_device(device, requested="auto", loss_scaling=True):
+def prepare_device(device, requested="auto"):
     """The Precision to train in (``requested``, or for "auto" the one the device's hardware
-    computes fast), and the device's own settings for speed. A stage that cannot scale its loss
-    trains fp32 where the hardware has no bf16, and refuses fp16."""
+    computes fast), and the device's own settings for speed."""
     if device.type == "cpu":
         perf.keep_freed_cpu_memory()  # reuse freed tensors' pages instead of re-faulting them
     if device.type == "cuda":
         torch.set_float32_matmul_precision("high")  # TF32 for any matmul left in fp32
-    return Precision(choose_precision(device, requested, loss_scaling), device)
+    return Precision(choose_precision(device, requested), device)
 
 
-def choose_precision(device, requested="auto", loss_scaling=True):
-    """The name of the precision prepare_device gives. Without loss scaling (torch's pipeline
-    schedules run backward themselves, so there is no place to scale the loss) fp16 is refused."""
-    name = device_precision(device) if requested == "auto" else requested
-    if name == "fp16" and not loss_scaling:
-        if requested == "fp16":
-            raise KitError("--precision fp16: this stage cannot scale its loss; use bf16 (on GPUs "
-                           "that have it) or fp32")
-        name = "fp32"
-    return name
+def choose_precision(device, requested="auto"):
+    """The name of the precision prepare_device gives."""
+    return device_precision(device) if requested == "auto" else requested
 
 
 # --- stopping, and the loop's state -----------------------------------------------------------

@@ -143,7 +143,7 @@ def clip_grad_norm(model, max_norm):
     return norm
 
 
-def run_pipeline(run, stage, x, y):
+def run_pipeline(run, stage, x, y, precision):
     """A minibatch through the schedule's step (train) or eval in M microbatches, for the losses
     only (not the last stage's logits of every microbatch): N x the mean loss on the last of the
     N stages, 0 on the others; averaged over the ranks (all_reduce_mean), the loss."""
@@ -152,17 +152,18 @@ def run_pipeline(run, stage, x, y):
         return_outputs=False)
     if not losses:
         return torch.zeros((), device=x.device)
-    return torch.stack(losses).detach().mean() * dist.get_world_size()
+    mean_loss = torch.stack(losses).detach().mean() / precision.scaler.get_scale()  # unscaled
+    return mean_loss * dist.get_world_size()
 
 
 @torch.no_grad()
-def evaluate(model, schedule, stage, val_loader, eval_steps, device):
+def evaluate(model, schedule, stage, val_loader, eval_steps, device, precision):
     model.eval()
     val_loader.load_state_dict({"shard": 0, "offset": 0, "epoch": 0})  # same batches every time
     total = 0.0
     for _ in range(eval_steps):
         x, y = val_loader.next_batch()
-        total += run_pipeline(schedule.eval, stage, x.to(device), y.to(device))
+        total += run_pipeline(schedule.eval, stage, x.to(device), y.to(device), precision)
     model.train()
     return distributed.all_reduce_mean(total / eval_steps).item()
 
@@ -223,7 +224,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     # this process's rank, the number of processes and its device: its GPU, or the CPU
     rank, world_size, device = distributed.setup(args.device)
-    precision = training.prepare_device(device, args.precision, loss_scaling=False)  # bf16/fp32
+    precision = training.prepare_device(device, args.precision)
 
     preset = presets.get_preset(args.preset)
     config = GPTConfig(vocab_size=preset.vocab_size, block_size=preset.seq_len,
@@ -247,7 +248,8 @@ def main(argv=None):
     model.forward = precision.in_autocast(model.forward)  # not backward, which the schedule runs
     stage = PipelineStage(model, rank, world_size, device)  # stage `rank`: sends to rank + 1
     # scale_grads: the schedule divides the gradients of M microbatch means by M (as grad_accum)
-    schedule = SCHEDULES[args.schedule](stage, M, loss_fn=cross_entropy, scale_grads=True)
+    schedule = SCHEDULES[args.schedule](stage, M, scale_grads=True,
+                                         loss_fn=precision.scaled(cross_entropy))
     tied_group = dist.new_group([0, world_size - 1]) if world_size > 1 else None  # wte, lm_head
 
     # every stage reads the same whole minibatch (the first uses its inputs, the last its targets)
@@ -279,10 +281,12 @@ def main(argv=None):
             group["lr"] = lr
         optimizer.zero_grad(set_to_none=True)
         x, y = training.to_device(train_loader.next_batch(), device)
-        loss_sum = run_pipeline(schedule.step, stage, x, y)
+        loss_sum = run_pipeline(schedule.step, stage, x, y, precision)
         all_reduce_tied_gradient(model, tied_group)
+        precision.scaler.unscale_(optimizer)  # fp16: the true gradients, to clip them
         grad_norm = clip_grad_norm(model, preset.grad_clip)
-        optimizer.step()
+        precision.scaler.step(optimizer)  # fp16: skipped if a gradient overflowed on any stage
+        precision.scaler.update()
         # the minibatch's mean loss over every rank, and whether any rank was told to stop (Slurm
         # signals each task at its own moment): one all-reduce; .item() waits for it too
         totals = distributed.all_reduce_mean(torch.stack([loss_sum, stop.flag(device)]))
@@ -298,7 +302,8 @@ def main(argv=None):
                                   run_config["peak_flops"]),
                   "epoch": train_loader.epoch + train_loader.offset / train_loader.total_tokens}
         if done % args.eval_interval == 0 or done == args.max_steps:
-            record["val_loss"] = evaluate(model, schedule, stage, val_loader, val_passes, device)
+            record["val_loss"] = evaluate(model, schedule, stage, val_loader, val_passes, device,
+                                          precision)
         print(training.step_line(record, args, step == start_step), flush=True)
         if rank == 0:
             runs.append_metrics(run_dir, record)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import ONE_THREAD, kit_env, run_stage, session_folder, torchrun
-from coursekit import KIT_ROOT, runs
+from coursekit import KIT_ROOT, presets, runs
 from coursekit.watchdog import FIRST_STEP_S, StepWatch
 
 SHORT = ["--preset", "tiny", "--n-layer", "2", "--max-steps", "2", "--eval-interval", "2",
@@ -32,9 +32,9 @@ STAGE_FLAGS = {"std": [], "ddp": [], "fsdp": [], "tp": ["--tp", "2"], "pp": [],
 #: once. The sample is drawn eagerly (training.write_sample), and the evaluation's batches are the
 #: training's shape (in lit too: whole microbatches on every rank).
 ALLOWED_RECOMPILES = {"std": 1, "ddp": 1, "fsdp": 1, "tp": 1, "pp": 1, "lit": 1}
-#: fp16 on 2 processes: std's 1-process fp16 run is tests/test_stage_std.py's, and pp refuses fp16
-#: (torch's schedules run backward themselves, with no place to scale the loss: training.py)
-FP16_STAGES = ["ddp", "fsdp", "tp", "lit"]
+#: fp16 on 2 processes: std's 1-process fp16 run is tests/test_stage_std.py's. pp scales the loss
+#: in its schedule's loss_fn, which runs on the last stage only, and unscales on every stage.
+FP16_STAGES = ["ddp", "fsdp", "tp", "pp", "lit"]
 RECOMPILE = re.compile(r"^(?:\[rank(\d+)\]:)?.*Recompiling function (.*)$", re.MULTILINE)
 
 
@@ -55,6 +55,10 @@ def assert_trained_and_sampled(run_dir):
     metrics = runs.read_metrics(run_dir)
     assert [record["step"] for record in metrics] == [1, 2]
     assert all(math.isfinite(record["loss"]) for record in metrics), metrics
+    # an untrained model's loss, about ln(vocabulary): the true loss, not fp16's scaled one
+    chance = math.log(presets.get_preset("tiny").vocab_size)
+    assert all(abs(record[key] - chance) < 1 for record in metrics
+               for key in ("loss", "val_loss") if key in record), metrics
     assert math.isfinite(metrics[-1]["val_loss"]), metrics
     assert (run_dir / "sample.txt").read_text().startswith("The")
 

@@ -54,13 +54,12 @@ def test_only_fp16_scales_the_loss(name, dtype, scaled, description):
     assert product.dtype == (dtype or torch.float32)
 
 
-def test_a_stage_that_cannot_scale_its_loss_refuses_fp16_and_stays_fp32_on_auto():
-    cpu = torch.device("cpu")
-    with pytest.raises(KitError) as refused:
-        training.choose_precision(cpu, "fp16", loss_scaling=False)
-    assert str(refused.value) == ("--precision fp16: this stage cannot scale its loss; use bf16 "
-                                  "(on GPUs that have it) or fp32")
-    assert training.choose_precision(cpu, "bf16", loss_scaling=False) == "bf16"
+@pytest.mark.parametrize("name, factor", [("fp16", 2.0 ** 16), ("bf16", 1.0), ("fp32", 1.0)])
+def test_a_pipelines_loss_fn_is_scaled_in_fp16_alone(name, factor):
+    """A schedule runs backward on its loss_fn's loss: in fp16 that loss carries the scale."""
+    precision = training.prepare_device(torch.device("cpu"), name)
+    loss_fn = precision.scaled(lambda logits, targets: (logits - targets).square().mean())
+    assert loss_fn(torch.full((2,), 3.0), torch.ones(2)).item() == 4.0 * factor
 
 
 def test_forward_in_autocast_leaves_backward_outside_it():
