@@ -17,23 +17,21 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from throughput import machine, stage_command, timed_run
 
-from coursekit import KIT_ROOT, data, runs
+from coursekit import KIT_ROOT, data, launch, runs
 
 RESULTS = KIT_ROOT / "benchmarks" / "results" / "pipeline_bubble.json"
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 DEMO = KIT_ROOT / "notebooks" / "04-model-parallelism" / "bubble_demo.py"
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}  # torchrun sets it only for 2+ processes
 
 
 def torchrun(processes):
-    return [TORCHRUN, "--standalone", f"--nproc-per-node={processes}"]
+    return launch.torchrun(processes)
 
 
 def demo_ms(processes, schedule, microbatches):

@@ -20,17 +20,16 @@ from pathlib import Path
 
 from throughput import machine, stage_command, timed_run
 
-from coursekit import KIT_ROOT, data, runs
+from coursekit import KIT_ROOT, data, launch, runs
 
 RESULTS = KIT_ROOT / "benchmarks" / "results" / "scaling.json"
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")
 TORCHRUN_STAGES = ("ddp", "fsdp", "tp", "pp")
 
 
 def launch(stage, processes):
     """(launcher, extra flags, environment) of a stage at a number of processes."""
     if stage in TORCHRUN_STAGES and processes > 1:
-        return [TORCHRUN, "--standalone", f"--nproc-per-node={processes}"], [], None
+        return launch.torchrun(processes), [], None
     if stage == "lit":
         threads = {"OMP_NUM_THREADS": "1"} if processes > 1 else {}
         return [sys.executable], ["--devices", str(processes)], {**os.environ, **threads}

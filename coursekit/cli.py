@@ -21,6 +21,7 @@
     registry register RUN_DIR --name N --alias A [--model-dir D]   a run's model into MLflow
     registry load NAME@ALIAS [--prompt P]      load a registered model back and complete P
     free-port                                  a TCP port free on this host now (batch files)
+    torchrun --nproc N SCRIPT [ARGS]           SCRIPT on N processes here (static rendezvous)
     ray-node --head --port P | --address H:P   one node of a job's Ray cluster (batch files)
     ray-nodes --address H:P --expect N         wait for N Ray nodes, run a task on each
     mlflow-server [--store URI] [--port P]     MLflow's UI on 127.0.0.1 behind your own password
@@ -29,6 +30,8 @@
 """
 import argparse
 import json
+import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -103,6 +106,13 @@ def build_parser():
 
     envcheck = commands.add_parser("envcheck", help="report devices, versions, Slurm, data, tokenizer")
     envcheck.add_argument("--json", action="store_true", help="print JSON instead of a report")
+
+    torchrun = commands.add_parser(
+        "torchrun", help="run a script on N processes of this machine: torchrun with its static "
+                         "rendezvous at a free port (the command is printed first)")
+    torchrun.add_argument("--nproc", type=positive_int, required=True, help="processes to start")
+    torchrun.add_argument("script", help="the script, then its own arguments")
+    torchrun.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
     tokenizer = commands.add_parser("tokenizer", help="the GPT-2 tokenizer files")
     tokenizer.add_argument("action", choices=["fetch"])
@@ -293,6 +303,15 @@ def run_trainee_kit(args):
 def run_free_port(args):
     from coursekit import launch
     print(launch.free_port())
+
+
+def run_torchrun(args):
+    """Replace this process with torchrun, after showing the command: the one to type where the
+    kit is not installed (see coursekit.launch for why not torchrun's standalone mode)."""
+    from coursekit import launch
+    command = [*launch.torchrun(args.nproc), args.script, *args.script_args]
+    print("$", shlex.join(command), flush=True)
+    os.execv(command[0], command)
 
 
 def run_ray_node(args):
@@ -519,7 +538,7 @@ COMMANDS = {"envcheck": run_envcheck, "tokenizer": run_tokenizer, "data": run_da
             "mlflow-server": run_mlflow_server, "trainee-kit": run_trainee_kit,
             "selftest": run_selftest, "images": run_images, "ray-node": run_ray_node,
             "ray-nodes": run_ray_nodes, "rag": run_rag, "exchange": run_exchange,
-            "autograde": run_autograde, "grades": run_grades}
+            "autograde": run_autograde, "grades": run_grades, "torchrun": run_torchrun}
 
 
 def main(argv=None):

@@ -1,11 +1,11 @@
 """How the kit starts processes that work together: torchrun with its static rendezvous.
 
-torchrun's c10d rendezvous (`--rdzv-backend=c10d`) keeps its state in a TCP store that listens on
-every interface without a password, and unpickles that state at every sync for the whole job:
-anyone who can reach the port and knows the rendezvous id (batch files commonly use the job id,
-which every user sees) can write a crafted pickle there and run code in the launcher, as the
-job's owner. The static rendezvous keeps only plain bytes and JSON in the same
-store. It needs each node's rank (under Slurm, $SLURM_NODEID) and a port on the first node,
+torchrun's c10d rendezvous (and its standalone mode, which is the same with a random id) keeps
+its state in a TCP store that listens on every interface without a password, and unpickles that
+state at every sync for the whole job: anyone who can reach the port and knows the rendezvous id
+(batch files commonly use the job id, which every user sees; the store lists its keys, random
+ids included, to anyone) can write a crafted pickle there and run code in the launcher, as the
+job's owner. The static rendezvous keeps only plain bytes and JSON in the same store. It needs each node's rank (under Slurm, $SLURM_NODEID) and a port on the first node,
 chosen free when the job starts rather than derived from something another user can predict.
 """
 import shlex

@@ -5,7 +5,7 @@ bottom: the data, the optimiser and its schedule, checkpoints, then the training
 stage (DDP, FSDP, tensor and pipeline parallelism) is a small diff on it.
 
     python -m coursekit data prepare --source builtin --out data/builtin
-    torchrun --standalone --nproc-per-node=2 solutions/train_gpt2_fsdp.py --preset tiny
+    python -m coursekit torchrun --nproc 2 solutions/train_gpt2_fsdp.py --preset tiny
 
 The words of the course, as this script uses them:
     sample      one sequence of T tokens; the model predicts each next token

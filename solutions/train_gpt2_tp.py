@@ -5,7 +5,7 @@ bottom: the data, the optimiser and its schedule, checkpoints, then the training
 stage (DDP, FSDP, tensor and pipeline parallelism) is a small diff on it.
 
     python -m coursekit data prepare --source builtin --out data/builtin
-    torchrun --standalone --nproc-per-node=4 solutions/train_gpt2_tp.py --preset tiny --tp 2
+    python -m coursekit torchrun --nproc 4 solutions/train_gpt2_tp.py --preset tiny --tp 2
 
 The words of the course, as this script uses them:
     sample      one sequence of T tokens; the model predicts each next token

@@ -2,7 +2,7 @@
 stage of lesson 08, where the question is no longer the model but keeping the GPUs fed.
 
     python -m coursekit images prepare --out data/shapes
-    torchrun --standalone --nproc-per-node=2 solutions/train_resnet_ddp.py --data data/shapes \\
+    python -m coursekit torchrun --nproc 2 solutions/train_resnet_ddp.py --data data/shapes \\
         --layout shards --workers 2 --augment device
 
 The input pipeline, stage by stage, and what each flag changes:

@@ -1,20 +1,24 @@
-"""Nobody who can reach a job's rendezvous port runs code in it (issue 20, item 1).
+"""Nobody who can reach a job's rendezvous port runs code in it (issue 20, item 1; issue 47,
+item 1).
 
 The attack, tried on the kit's launch and, to show that it works, on the c10d rendezvous the
-batch files used before: while two processes hold their group, another client connects to the
-launcher's TCP store (no password is needed) and writes a crafted pickle, base64-encoded as the
-c10d backend stores its state, under the keys the rendezvous would read. Unpickled, it creates a
-file. The c10d launcher unpickles its state at every keep-alive (5 s): the file appears. The
+batch files used before and on torchrun's standalone mode the README showed: while two processes
+hold their group, another client finds the launcher's TCP store as `ss` would, connects (no
+password is needed), lists its keys and writes a crafted pickle, base64-encoded as the c10d
+backend stores its state, under the keys the rendezvous would read. Unpickled, it creates a
+file. A TCP connection carries no Unix user: run as root here, it is what a co-tenant sends. The c10d launcher unpickles its state at every keep-alive (5 s): the file appears. The
 static rendezvous the kit uses keeps no pickled state: the file never appears and the job ends
 normally.
 """
 import base64
 import pickle
-import socket
+import re
 import subprocess
+import sys
 import time
 from datetime import timedelta
 
+import psutil
 import pytest
 import torch.distributed as dist
 
@@ -30,25 +34,38 @@ def crafted_state(marker):
     return base64.b64encode(pickle.dumps(CreatesFile(marker))).decode()
 
 
-def listening(port):
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) == 0
-
-
-def attack(job, port, marker):
-    """Until the job ends: connect to its store and write the crafted state under the c10d
-    rendezvous keys of every run id one could guess. Returns how many rounds it wrote."""
-    deadline = time.monotonic() + 60
-    while job.poll() is None and not listening(port):
+def store_port(job, deadline):
+    """The port the launcher's store listens on, found as another user of the node finds it
+    (`ss -ltn`: the job's new listening socket); the job's first listener is its store."""
+    launcher = psutil.Process(job.pid)
+    while job.poll() is None:
         assert time.monotonic() < deadline, "the launcher never listened"
+        ports = [c.laddr.port for c in launcher.net_connections("tcp") if c.status == "LISTEN"]
+        if ports:
+            return ports[0]
         time.sleep(0.2)
-    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=10),
-                          wait_for_workers=False)
+    raise AssertionError("the launcher ended before it listened")
+
+
+def rendezvous_keys(store):
+    """The keys under which a c10d rendezvous would read its state: the store lists its keys to
+    anyone, so a random id hides nothing; the job id is guessed besides."""
+    listed = [key for key in store.list_keys() if key.startswith("torch.rendezvous.")]
+    ids = {key.split(".")[2].split("/")[0] for key in listed} | {JOB_ID, "none", ""}
+    return [f"torch.rendezvous.{run_id}" for run_id in ids]
+
+
+def attack(job, marker):
+    """Until the job ends: connect to its store and write the crafted state under the c10d
+    rendezvous keys of every run id listed or guessed. Returns how many rounds it wrote."""
+    deadline = time.monotonic() + 60
+    store = dist.TCPStore("127.0.0.1", store_port(job, deadline), is_master=False,
+                          timeout=timedelta(seconds=10), wait_for_workers=False)
     rounds = 0
     while job.poll() is None and time.monotonic() < deadline:
         try:
-            for run_id in (JOB_ID, "none", ""):
-                store.set(f"torch.rendezvous.{run_id}", crafted_state(marker))
+            for key in rendezvous_keys(store):
+                store.set(key, crafted_state(marker))
         except dist.DistError:  # the launcher went away (the pickle may have made it crash)
             break
         rounds += 1
@@ -56,7 +73,7 @@ def attack(job, port, marker):
     return rounds
 
 
-def launched_and_attacked(command, port, tmp_path, hold_seconds):
+def launched_and_attacked(command, tmp_path, hold_seconds):
     """Launch `command` with the helper holding its group; attack it: (rounds of writes, exit
     status, output, whether the crafted pickle ran)."""
     marker = tmp_path / "the-attackers-code-ran"
@@ -64,7 +81,7 @@ def launched_and_attacked(command, port, tmp_path, hold_seconds):
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            env=kit_env(), cwd=tmp_path)
     try:
-        rounds = attack(job, port, marker)
+        rounds = attack(job, marker)
         output = job.communicate(timeout=60)[0]  # the store closes as the job ends: let it end
     finally:
         if job.poll() is None:
@@ -75,19 +92,48 @@ def launched_and_attacked(command, port, tmp_path, hold_seconds):
 
 def test_the_c10d_rendezvous_runs_a_pickle_written_to_its_store(tmp_path):
     """The control: the launch the batch files used until issue 20 (ids from the job id)."""
-    port = launch.free_port()
     c10d = [*launch.torchrun(2)[:3], "--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={JOB_ID}"]
-    rounds, _, output, ran = launched_and_attacked(c10d, port, tmp_path, hold_seconds=8)
+            f"--rdzv-endpoint=127.0.0.1:{launch.free_port()}", f"--rdzv-id={JOB_ID}"]
+    rounds, _, output, ran = launched_and_attacked(c10d, tmp_path, hold_seconds=8)
     assert rounds >= 1 and ran, output[-3000:]  # within one keep-alive (5 s) of the write
 
 
+def test_torchruns_standalone_mode_runs_a_pickle_written_to_its_store(tmp_path):
+    """The launch the README taught until issue 47: a random id and port, found all the same."""
+    standalone = [*launch.torchrun(2)[:3], "--standalone", "--nproc-per-node=2"]
+    rounds, _, output, ran = launched_and_attacked(standalone, tmp_path, hold_seconds=8)
+    assert rounds >= 1 and ran, output[-3000:]
+
+
 def test_the_kits_launch_runs_nothing_written_to_its_store(tmp_path):
-    port = launch.free_port()
-    rounds, status, output, ran = launched_and_attacked(launch.torchrun(2, master_port=port),
-                                                        port, tmp_path, hold_seconds=4)
+    """`python -m coursekit torchrun`, which the README and the stages' docstrings show."""
+    kits = [sys.executable, "-m", "coursekit", "torchrun", "--nproc", "2"]
+    rounds, status, output, ran = launched_and_attacked(kits, tmp_path, hold_seconds=4)
     # the pickle sat in the store for seconds while the job ran: nothing read it
     assert rounds >= 4 and not ran and status == 0, output[-3000:]
+    assert "$ " in output and "--master-port=" in output  # the command, shown
+
+
+#: What starts a pickling rendezvous: no text the kit ships may contain it (this file runs it,
+#: as the attack's control, and the lessons and the book name it in words).
+PICKLING_LAUNCHES = re.compile(r"--standalone|rdzv[-_]backend")
+
+
+def test_no_text_the_kit_ships_launches_a_pickling_rendezvous():
+    tracked = subprocess.run(["git", "ls-files"], cwd=KIT_ROOT, capture_output=True, text=True,
+                             check=True).stdout.split()
+    offending = []
+    for name in tracked:
+        path = KIT_ROOT / name
+        if name == "tests/test_launch.py" or not path.is_file():
+            continue
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError:  # images, not text
+            continue
+        offending += [f"{name}:{number}" for number, line in enumerate(text.splitlines(), 1)
+                      if PICKLING_LAUNCHES.search(line)]
+    assert not offending, offending
 
 
 def test_batch_files_launch_torchrun_with_the_static_rendezvous_at_a_fresh_port():

@@ -48,6 +48,7 @@ import torch
 from IPython.display import Markdown, display
 
 from coursekit import KIT_ROOT, data, diffs, distributed, presets, runs, stages, widgets
+from coursekit.launch import torchrun
 from solutions import gpt
 
 DATA = KIT_ROOT / "data" / "builtin"
@@ -57,7 +58,6 @@ std, ddp = stages.load("std"), stages.load("ddp")  # solutions/train_gpt2_{std,d
 LESSON = "02-ddp"
 WORKING_COPY = Path("train_gpt2.py").resolve()  # yours, next to this notebook: handed in with it
 tiny = presets.get_preset("tiny")
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")  # installed next to this kernel's python
 print(f"torch {torch.__version__}; GPUs visible: {torch.cuda.device_count()}")
 # Run length, the one knob of this lesson: the short runs take seconds on a laptop's CPU and show
 # the same things; with GPUs the longer ones are as quick. Set it to True or False to choose.
@@ -113,7 +113,7 @@ print(f"{whole.numel():,} gradient entries; max |mean of halves - whole batch| =
 
 # %% tags=["demo"]
 DEMO = KIT_ROOT / "notebooks" / "02-ddp" / "allreduce_demo.py"  # found from any working folder
-demo = subprocess.run([TORCHRUN, "--standalone", "--nproc-per-node=2", str(DEMO)],
+demo = subprocess.run([*torchrun(2), str(DEMO)],
                       capture_output=True, text=True, check=True)
 print(demo.stdout)
 
@@ -339,8 +339,10 @@ assert len(yours) == 10 and all(abs(a - b) <= 1e-6 for a, b in zip(yours, soluti
 # %% [markdown]
 # ## Launching: 1 process and $N$ processes at the same global batch
 #
-# `torchrun --standalone --nproc-per-node=N script.py` starts $N$ processes on this machine with
-# the variables of the table above. Here $N$ is the number of GPUs if there are two or more, else
+# `torchrun --nnodes=1 --nproc-per-node=N --master-addr=127.0.0.1 --master-port=P script.py`
+# starts $N$ processes on this machine with the variables of the table above, meeting at port $P$
+# (one that is free: `python -m coursekit free-port`). `python -m coursekit torchrun --nproc N
+# script.py` types that command for you and prints it; the cells below run the same one. Here $N$ is the number of GPUs if there are two or more, else
 # two CPU processes talking over gloo (NCCL does not let two ranks share one GPU). The runs below use the finished script in `solutions/`,
 # so they work whether or not your copy is done; point `SCRIPT` at `train_gpt2.py` to run yours.
 #
@@ -363,8 +365,7 @@ def train(name, processes, batch_tokens, steps, *flags):
     """Run the DDP stage (plain python for 1 process, torchrun for more); return its metrics."""
     out = RUNS / name
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each time the cell runs
-    launcher = ([TORCHRUN, "--standalone", f"--nproc-per-node={processes}"] if processes > 1
-                else [sys.executable])
+    launcher = torchrun(processes) if processes > 1 else [sys.executable]
     command = launcher + [str(SCRIPT), "--preset", RUN_PRESET.name, "--device", DEVICE,
                           "--data", str(DATA),
                           "--out", str(out), "--batch-tokens", str(batch_tokens),
@@ -548,13 +549,14 @@ print(f"the sqrt-scaled learning rate wins back {won_back:.0%} of the large batc
 # `--resume` continues with the same data order.
 #
 # One caution before you run on a shared cluster: `torch.distributed` trusts its network. Many
-# tutorials launch multi-node jobs with `--rdzv-backend=c10d --rdzv-id=$SLURM_JOB_ID`: that
-# rendezvous keeps its state in a store on the first node that accepts any connection, without a
-# password, and unpickles the state at every check, so whoever reaches the port and knows the id
-# (the job id is public) can run code in your job. (`--standalone`, on one machine, uses the same
-# rendezvous with a random id and port, which another user cannot guess.) The static rendezvous
-# above keeps no pickled state, and the kit sends numbers between ranks as tensors rather than
-# pickled objects. The collectives still accept any connection that reaches their
+# tutorials launch with torchrun's c10d rendezvous, the job id as its id: that rendezvous keeps
+# its state in a store on the first node that accepts any connection, without a password, and
+# unpickles the state at every check, so whoever reaches the port and knows the id (the job id is
+# public) can run code in your job. torchrun's standalone mode, on one machine, uses the same
+# rendezvous with a random id and port, and that protects nothing: another user of the node finds
+# the port with `ss` and reads the id from the store, which lists its keys to anyone. The static
+# rendezvous above keeps no pickled state, and the kit sends numbers between ranks as tensors
+# rather than pickled objects. The collectives still accept any connection that reaches their
 # ports; PyTorch's security policy says as much: distributed training belongs on private
 # networks. Clusters make that true with compute networks users cannot reach from elsewhere, and
 # nodes that are not shared between users while a job runs; the cluster chapter says what to ask

@@ -2,7 +2,7 @@
 all-reduce (sum, then divide by the world size) turns the shares into the gradient of the whole
 batch. That is what DistributedDataParallel does for every parameter of a model.
 
-    torchrun --standalone --nproc-per-node=2 allreduce_demo.py      # one machine
+    python -m coursekit torchrun --nproc 2 allreduce_demo.py      # one machine
     srun python allreduce_demo.py                                     # under Slurm (see lesson 02)
 """
 import os

@@ -45,7 +45,6 @@ import json
 import shutil
 import statistics
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -55,12 +54,12 @@ import torch
 from IPython.display import Markdown, display
 
 from coursekit import KIT_ROOT, data, diffs, memory, presets, runs, stages, widgets
+from coursekit.launch import torchrun
 from solutions import gpt
 
 DATA = KIT_ROOT / "data" / "builtin"
 if not (DATA / "meta.json").exists():  # the offline corpus: built in seconds, once
     data.prepare_builtin(DATA)
-TORCHRUN = str(Path(sys.executable).parent / "torchrun")  # installed next to this kernel's python
 tiny = presets.get_preset("tiny")
 TINY, GPT2 = memory.Model.from_preset(tiny), memory.Model.from_preset(presets.get_preset("gpt2-124m"))
 GPUS = torch.cuda.device_count()
@@ -289,8 +288,8 @@ def launch(stage, processes, name, *flags, steps=6, preset=RUN_PRESET):
     out = RUNS / name
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each time the cell runs
     device = "auto" if GPUS >= processes else "cpu"
-    command = [TORCHRUN, "--standalone", f"--nproc-per-node={processes}",
-               str(KIT_ROOT / "solutions" / f"train_gpt2_{stage}.py"), "--preset", preset,
+    script = KIT_ROOT / "solutions" / f"train_gpt2_{stage}.py"
+    command = [*torchrun(processes), str(script), "--preset", preset,
                "--device", device, "--data", str(DATA), "--out", str(out),
                "--max-steps", str(steps), "--eval-interval", str(steps), "--sample-tokens", "0",
                *map(str, flags)]
@@ -584,8 +583,8 @@ STAGES = 2
 
 def demo_step_ms(processes):
     """{microbatches: median ms per step} of the demo on `processes` stages."""
-    result = subprocess.run([TORCHRUN, "--standalone", f"--nproc-per-node={processes}", str(DEMO),
-                             *map(str, MICROBATCHES)], capture_output=True, text=True, check=True)
+    result = subprocess.run([*torchrun(processes), str(DEMO), *map(str, MICROBATCHES)],
+                            capture_output=True, text=True, check=True)
     lines = [json.loads(line) for line in result.stdout.splitlines()]
     return {line["microbatches"]: line["step_ms"] for line in lines}
 

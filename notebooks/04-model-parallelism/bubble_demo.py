@@ -1,6 +1,6 @@
 """Run under torchrun: the pipeline bubble, timed on a pipeline of equal stages.
 
-    torchrun --standalone --nproc-per-node=2 bubble_demo.py 1 2 4 8 [--schedule 1f1b]
+    python -m coursekit torchrun --nproc 2 bubble_demo.py 1 2 4 8 [--schedule 1f1b]
 
 A stack of identical layers is cut into one stage per process, so that every stage does the same
 work (GPT-2's output head would make the last stage the slowest, which is imbalance, not bubble).

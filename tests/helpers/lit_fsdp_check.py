@@ -2,7 +2,7 @@
 way Lightning's FSDP strategy shards it (torch's FullyShardedDataParallel, one unit per block,
 use_orig_params), against the same model whole in this process.
 
-    torchrun --standalone --nproc-per-node=2 tests/helpers/lit_fsdp_check.py
+    python -m coursekit torchrun --nproc 2 tests/helpers/lit_fsdp_check.py
 
 Prints (rank 0) one JSON line: the parameters in the decayed group, summed over the ranks' shards
 and whole, those a grouping by dimension would decay, and the two gradient norms.

@@ -1,7 +1,7 @@
 """Run under torchrun: one forward and backward of the tp stage's model, tensor parallel in groups
 of TP ranks and fully sharded across the groups, against the same model in a single process.
 
-    torchrun --standalone --nproc-per-node=4 tests/helpers/tp_check.py solutions/train_gpt2_tp.py 2
+    python -m coursekit torchrun --nproc 4 tests/helpers/tp_check.py solutions/train_gpt2_tp.py 2
 
 Prints (rank 0) one JSON line: the largest differences of the logits, of every parameter's
 gradient (the tied embedding / lm_head matrix included) and of the loss, and whether the tied
