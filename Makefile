@@ -147,7 +147,9 @@ test: setup $(BOOK_JS) $(INSTRUCT_DATA) $(SHAPES_DATA) $(BASE_MODEL) $(EMBED_MOD
 test-fast: setup
 	$(BIN)/python -m pytest -m "(unit or diffs) and not slow"
 
+# torch.compile's caches: a folder of your own, checked (coursekit/caches.py), not /tmp's
 lab: setup
+	caches="$$($(BIN)/python -m coursekit compile-cache)" && eval "$$caches" && \
 	$(BIN)/jupyter lab --ip 127.0.0.1 --no-browser $(if $(filter 0,$(shell id -u)),--allow-root)
 
 # Student versions: solutions and hidden tests removed. When grading, autograde skips the cells

@@ -22,6 +22,7 @@
     registry load NAME@ALIAS [--prompt P]      load a registered model back and complete P
     free-port                                  a TCP port free on this host now (batch files)
     torchrun --nproc N SCRIPT [ARGS]           SCRIPT on N processes here (static rendezvous)
+    compile-cache                              export lines: torch.compile's caches, private
     ray-node --head --port P | --address H:P   one node of a job's Ray cluster (batch files)
     ray-nodes --address H:P --expect N         wait for N Ray nodes, run a task on each
     mlflow-server [--store URI] [--port P]     MLflow's UI on 127.0.0.1 behind your own password
@@ -113,6 +114,9 @@ def build_parser():
     torchrun.add_argument("--nproc", type=positive_int, required=True, help="processes to start")
     torchrun.add_argument("script", help="the script, then its own arguments")
     torchrun.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+
+    commands.add_parser("compile-cache", help="export lines for private Inductor and Triton caches "
+                                              "(checked: yours, mode 0700)")
 
     tokenizer = commands.add_parser("tokenizer", help="the GPT-2 tokenizer files")
     tokenizer.add_argument("action", choices=["fetch"])
@@ -312,6 +316,11 @@ def run_torchrun(args):
     command = [*launch.torchrun(args.nproc), args.script, *args.script_args]
     print("$", shlex.join(command), flush=True)
     os.execv(command[0], command)
+
+
+def run_compile_cache(args):
+    from coursekit import caches
+    print(caches.export_lines())
 
 
 def run_ray_node(args):
@@ -538,7 +547,8 @@ COMMANDS = {"envcheck": run_envcheck, "tokenizer": run_tokenizer, "data": run_da
             "mlflow-server": run_mlflow_server, "trainee-kit": run_trainee_kit,
             "selftest": run_selftest, "images": run_images, "ray-node": run_ray_node,
             "ray-nodes": run_ray_nodes, "rag": run_rag, "exchange": run_exchange,
-            "autograde": run_autograde, "grades": run_grades, "torchrun": run_torchrun}
+            "autograde": run_autograde, "grades": run_grades, "torchrun": run_torchrun,
+            "compile-cache": run_compile_cache}
 
 
 def main(argv=None):

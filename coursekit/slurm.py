@@ -534,6 +534,7 @@ def job_preamble(profile, threads):
             'test -f solutions/train_gpt2_std.py || { echo "submit from the kit\'s root" >&2; exit 2; }',
             *profile["setup"],
             *(f'export {name}="{value}"' for name, value in profile["env"].items()),
+            *PRIVATE_COMPILE_CACHE,
             *(private_miopen_cache() if profile["gpu_vendor"] == "amd" else []),
             *SRUN_CPUS,
             f"export OMP_NUM_THREADS={threads}  # the CPU cores each process was given"]
@@ -545,6 +546,12 @@ SRUN_CPUS = ["# srun steps get the job's cores per task: Slurm 22.05 stopped pas
              "# notes: https://github.com/SchedMD/slurm/blob/slurm-22.05/RELEASE_NOTES; srun(1):",
              "# https://slurm.schedmd.com/srun.html#OPT_SRUN_CPUS_PER_TASK)",
              'export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"']
+
+
+#: torch.compile's caches: a folder of the user's own, checked before the job uses it, not
+#: /tmp/torchinductor_$USER, which another user of a node can create first and fill with code.
+PRIVATE_COMPILE_CACHE = ["compile_caches=$(python -m coursekit compile-cache)  # yours, mode 0700",
+                         'eval "$compile_caches"']
 
 
 def private_miopen_cache():

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from coursekit import KitError, data, distributed, perf, presets, runs, tracking
+from coursekit import KitError, caches, data, distributed, perf, presets, runs, tracking
 from coursekit.cli import ArgumentParser, non_negative_float, positive_float, positive_int
 
 #: The flags a preset fills in when they are not given
@@ -78,6 +78,8 @@ def parse_args(parser, argv=None, check=None):
         check_args(args, preset)
         if check is not None:
             check(args, preset)
+        if args.compile:  # not /tmp/torchinductor_<user>, which another user can create first
+            caches.use_private_compile_cache()
     except KitError as err:
         parser.error(str(err))
     return args

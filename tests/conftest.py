@@ -11,6 +11,7 @@ import contextlib
 import fcntl
 import getpass
 import os
+import pwd
 import shutil
 import subprocess
 import sys
@@ -499,3 +500,32 @@ def kit_embedder(base_run):
     subprocess.run(["make", "models/kit-embed/modules.json"], cwd=KIT_ROOT, check=True,
                    capture_output=True, timeout=900)
     return KIT_ROOT / "models" / "kit-embed"
+
+
+class Cotenant:
+    """A second Unix user of this machine, as on a shared node: issue 47's attacks run as them."""
+
+    def __init__(self, name):
+        self.name = name
+        self.uid = pwd.getpwnam(name).pw_uid
+
+    def run(self, *command, check=True):
+        """``command`` (no Python: the kit's interpreter lives in root's closed home) as this user,
+        in /tmp; the CompletedProcess."""
+        result = subprocess.run(["runuser", "-u", self.name, "--", *command], cwd="/tmp",
+                                capture_output=True, text=True, timeout=60)
+        assert not check or result.returncode == 0, result.stderr
+        return result
+
+
+@pytest.fixture(scope="session")
+def cotenant():
+    """A user made with useradd for this session (one per pytest-xdist worker), removed after."""
+    if os.geteuid() != 0:
+        pytest.skip("a second Unix user is made with useradd, which needs root")
+    name = f"kit-cotenant-{os.environ.get('PYTEST_XDIST_WORKER', 'gw')}"
+    subprocess.run(["userdel", name], capture_output=True)  # left by a run that was killed
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", name], check=True)
+    yield Cotenant(name)
+    subprocess.run(["pkill", "-KILL", "-u", name], capture_output=True)
+    subprocess.run(["userdel", name], capture_output=True)

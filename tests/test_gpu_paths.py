@@ -8,10 +8,15 @@ PyTorch's own log of them (TORCH_LOGS=recompiles), whose lines say why when ther
 The runs are as short as the stages allow: 2 blocks, 2 x 16-token microbatches, 1 evaluation
 microbatch. This CPU computes bf16 and fp16 matmuls slowly, and a compile is most of a run's
 time: the compiled runs share one Inductor cache, so a graph or kernel compiled once (std's and
-ddp's are the same) is compiled once."""
+ddp's are the same) is compiled once. That cache is the kit's default, a private folder in the
+runs' HOME; meanwhile a co-tenant holds the folder Inductor would use by default,
+/tmp/torchinductor_<user>, open to all (issue 47, item 4): no run may write there."""
+import getpass
 import math
 import re
+import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -39,9 +44,11 @@ RECOMPILE = re.compile(r"^(?:\[rank(\d+)\]:)?.*Recompiling function (.*)$", re.M
 
 
 def train(stage, data, out, *flags, env=None):
-    """2 steps of ``stage`` into ``out`` with ``flags``: the CompletedProcess (text)."""
+    """2 steps of ``stage`` into ``out`` with ``flags`` and ``env`` (a variable set to None is
+    left out): the CompletedProcess (text)."""
     args = [*SHORT, *STAGE_FLAGS[stage], *flags, "--data", data, "--out", out]
-    env = kit_env({**ONE_THREAD, **(env or {})})
+    env = {name: value for name, value in kit_env({**ONE_THREAD, **(env or {})}).items()
+           if value is not None}
     if stage in ("std", "lit"):
         result = run_stage(f"train_gpt2_{stage}.py", *args, env=env)
     else:
@@ -72,19 +79,32 @@ def recompiles_per_rank(output):
 
 
 @pytest.fixture(scope="module")
-def inductor_cache(tmp_path_factory):
-    """One Inductor cache for the compiled runs, private to this test session."""
-    return session_folder(tmp_path_factory, "inductor-cache")
+def compile_home(tmp_path_factory):
+    """The compiled runs' HOME: its ~/.cache holds their one Inductor cache (coursekit.caches)."""
+    return session_folder(tmp_path_factory, "compile-home")
+
+
+@pytest.fixture(scope="module")
+def squatted_cache(cotenant):
+    """/tmp/torchinductor_<user>, created first by a co-tenant, mode 0777, as a trap."""
+    folder = Path("/tmp") / f"torchinductor_{getpass.getuser()}"
+    shutil.rmtree(folder, ignore_errors=True)
+    cotenant.run("mkdir", "-m", "777", str(folder))
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.mark.stages
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", list(STAGE_FLAGS))
 def test_compiled_bf16_trains_evaluates_and_samples_within_its_recompiles(
-        stage, builtin_data, tmp_path, inductor_cache):
+        stage, builtin_data, tmp_path, compile_home, squatted_cache):
     result = train(stage, builtin_data, tmp_path, "--precision", "bf16", "--compile",
                    env={"TORCH_LOGS": "recompiles,torch._dynamo.backends.distributed",
-                        "TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)})
+                        "HOME": str(compile_home), "TORCHINDUCTOR_CACHE_DIR": None,
+                        "TRITON_CACHE_DIR": None})
+    assert not any(squatted_cache.iterdir())  # the co-tenant's folder: nothing written there
+    assert any((compile_home / ".cache" / "coursekit" / "torch-compile").iterdir())
     assert runs.read_json(tmp_path / "config.json")["precision"] == "bf16 autocast"
     assert_trained_and_sampled(tmp_path)
     output = result.stdout + result.stderr

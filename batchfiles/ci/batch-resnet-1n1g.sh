@@ -18,6 +18,8 @@ set -euo pipefail
 test -f solutions/train_gpt2_std.py || { echo "submit from the kit's root" >&2; exit 2; }
 source .venv/bin/activate
 export TIKTOKEN_CACHE_DIR="$PWD/.cache/tiktoken"
+compile_caches=$(python -m coursekit compile-cache)  # yours, mode 0700
+eval "$compile_caches"
 # srun steps get the job's cores per task: Slurm 22.05 stopped passing them on (release
 # notes: https://github.com/SchedMD/slurm/blob/slurm-22.05/RELEASE_NOTES; srun(1):
 # https://slurm.schedmd.com/srun.html#OPT_SRUN_CPUS_PER_TASK)

@@ -41,6 +41,8 @@ export FI_CXI_RDZV_THRESHOLD="0"
 export FI_CXI_RDZV_GET_MIN="0"
 export FI_CXI_RDZV_EAGER_SIZE="0"
 export FI_CXI_RX_MATCH_MODE="hybrid"
+compile_caches=$(python -m coursekit compile-cache)  # yours, mode 0700
+eval "$compile_caches"
 # srun steps get the job's cores per task: Slurm 22.05 stopped passing them on (release
 # notes: https://github.com/SchedMD/slurm/blob/slurm-22.05/RELEASE_NOTES; srun(1):
 # https://slurm.schedmd.com/srun.html#OPT_SRUN_CPUS_PER_TASK)

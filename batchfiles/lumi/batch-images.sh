@@ -23,6 +23,8 @@ export HF_DATASETS_OFFLINE="1"
 export NCCL_SOCKET_IFNAME="hsn0,hsn1,hsn2,hsn3"
 export GLOO_SOCKET_IFNAME="hsn0,hsn1,hsn2,hsn3"
 export NCCL_NET_GDR_LEVEL="PHB"
+compile_caches=$(python -m coursekit compile-cache)  # yours, mode 0700
+eval "$compile_caches"
 # MIOpen's kernel cache: node-local, private to this job (mktemp -d: mode 0700)
 MIOPEN_USER_DB_PATH=$(mktemp -d "${TMPDIR:-/tmp}/miopen-$SLURM_JOB_ID-XXXXXXXX")
 export MIOPEN_USER_DB_PATH MIOPEN_CUSTOM_CACHE_DIR="$MIOPEN_USER_DB_PATH"

@@ -25,6 +25,8 @@ source .venv/bin/activate
 export TIKTOKEN_CACHE_DIR="$PWD/.cache/tiktoken"
 export HF_HUB_OFFLINE="1"
 export HF_DATASETS_OFFLINE="1"
+compile_caches=$(python -m coursekit compile-cache)  # yours, mode 0700
+eval "$compile_caches"
 # srun steps get the job's cores per task: Slurm 22.05 stopped passing them on (release
 # notes: https://github.com/SchedMD/slurm/blob/slurm-22.05/RELEASE_NOTES; srun(1):
 # https://slurm.schedmd.com/srun.html#OPT_SRUN_CPUS_PER_TASK)
