@@ -17,7 +17,7 @@ import stat
 import sys
 from pathlib import Path
 
-from coursekit import KitError, launch, registry, runs
+from coursekit import KitError, launch, registry, runs, tracking
 
 DEFAULT_STATE = Path("runs") / "mlflow-server"
 AUTH_CONFIG = """[mlflow]
@@ -93,6 +93,7 @@ def serve(store=None, artifacts=None, port=None, state=DEFAULT_STATE):
     port = port or launch.free_port()
     refuse_taken(port)
     artifacts = artifacts or Path("runs") / "mlartifacts"
+    tracking.make_store_private(store, Path(artifacts))
     environment = server_environment(state)
     print(how_to_reach(store, port, state), flush=True)
     command = server_command(store, artifacts, port)

@@ -54,6 +54,7 @@ def register(run_dir, name, alias, model_dir=None):
     saved = run_dir / "tracking.json"
     tracked = runs.read_json(saved) if saved.exists() else None
     uri = tracked["tracking_uri"] if tracked else tracking.tracking_uri(run_dir)
+    tracking.make_store_private(uri, None if tracked else tracking.artifact_folder(run_dir))
     client = mlflow.MlflowClient(uri)
     run_id = tracked["run_id"] if tracked else client.create_run(
         tracking.experiment_id(client, run_dir), run_name=run_dir.resolve().name).info.run_id

@@ -50,10 +50,26 @@ def read_json(path):
 
 
 def make_run_dir(run_dir):
-    """Create RUN_DIR, and its parents, if need be; a new RUN_DIR is its owner's alone (0700)."""
-    Path(run_dir).parent.mkdir(parents=True, exist_ok=True)
-    Path(run_dir).mkdir(mode=0o700, exist_ok=True)
-    return Path(run_dir)
+    """Create RUN_DIR, and its parents, if need be. RUN_DIR is its owner's alone (0700) however it
+    came to exist (`mkdir -p` makes it 0755): it holds checkpoints and logs. One that was open and
+    holds files is closed only if no one else wrote, or could have written, any of them."""
+    run_dir = Path(run_dir)
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    run_dir.mkdir(mode=0o700, exist_ok=True)
+    if stat.S_IMODE(run_dir.stat().st_mode) & 0o077 and any(run_dir.iterdir()):
+        refuse_unless_private(run_dir, *run_dir.rglob("*"))
+    keep_private(run_dir)
+    return run_dir
+
+
+def keep_private(path):
+    """Close ``path`` to other users (0700 for a folder, 0600 for a file); one line if it is not
+    its user's to close."""
+    info = Path(path).stat()
+    if info.st_uid != os.getuid():
+        raise KitError(f"{path} belongs to user id {info.st_uid}, not to you: the kit writes only "
+                       "where you alone can read (choose a folder of your own)")
+    Path(path).chmod(0o700 if stat.S_ISDIR(info.st_mode) else 0o600)
 
 
 def refuse_unless_private(run_dir, *inside):
@@ -70,7 +86,7 @@ def refuse_unless_private(run_dir, *inside):
     for path in (run_dir, *inside):
         mode = stat.S_IMODE(Path(path).stat().st_mode)
         if mode & (stat.S_IWGRP | stat.S_IWOTH):
-            raise KitError(f"{path} is writable by other users (mode {mode:o}): resume only after "
+            raise KitError(f"{path} is writable by other users (mode {mode:o}): use it only after "
                            f"`chmod -R go-w {run_dir}`, if no one else has written to it")
 
 

@@ -521,7 +521,7 @@ def gpu_monitor(profile, run_dir):
     if profile["gpu_vendor"] not in GPU_SAMPLERS:
         return []
     return ["# GPU utilisation and memory every 10 s on this (the first) node, while the job runs",
-            f"mkdir -p {run_dir}",
+            f"mkdir -p {run_dir} && chmod 700 {run_dir}",
             f'{GPU_SAMPLERS[profile["gpu_vendor"]]} > "{run_dir}/gpu-$SLURM_JOB_ID.csv" &',
             "monitor=$!",
             """trap 'kill "$monitor" 2>/dev/null || true' EXIT""",

@@ -107,12 +107,31 @@ def tracking_uri(run_dir):
         f"sqlite:///{Path(run_dir).resolve().parent / 'mlflow.db'}"
 
 
-def artifact_location(run_dir):
+def artifact_folder(run_dir):
     """With the default SQLite store, artifacts go next to the database; a server chooses its
-    own artifact store."""
+    own artifact store (None)."""
     if "MLFLOW_TRACKING_URI" in os.environ:
         return None
-    return (Path(run_dir).resolve().parent / "mlartifacts").as_uri()
+    return Path(run_dir).resolve().parent / "mlartifacts"
+
+
+def artifact_location(run_dir):
+    folder = artifact_folder(run_dir)
+    return folder and folder.as_uri()
+
+
+def make_store_private(uri, artifacts=None):
+    """A SQLite store's file (0600), and the artifacts' folder (0700), made before MLflow makes
+    them with the umask's 0644 and 0755: the store holds every run's parameters and metrics and
+    the folder every logged checkpoint, which other users would read past the server's password.
+    (SQLite gives its journal files the database's mode.)"""
+    if uri.startswith("sqlite:///"):
+        database = Path(uri.removeprefix("sqlite:///"))
+        database.parent.mkdir(parents=True, exist_ok=True)
+        os.close(os.open(database, os.O_CREAT | os.O_WRONLY, 0o600))  # an empty file is a new store
+        runs.keep_private(database)
+    if artifacts is not None:
+        runs.make_run_dir(artifacts)
 
 
 def experiment_name():
@@ -148,6 +167,7 @@ class MlflowTracker(Tracker):
         from mlflow import MlflowClient
         saved = Path(run_dir) / "tracking.json"
         uri = tracking_uri(run_dir)
+        make_store_private(uri, artifact_folder(run_dir))
         client = MlflowClient(tracking_uri=uri)
         if resumed and saved.exists() and runs.read_json(saved).get("tracking_uri") == uri:
             tracker = cls(client, runs.read_json(saved)["run_id"])

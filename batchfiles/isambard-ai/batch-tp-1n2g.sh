@@ -49,7 +49,7 @@ eval "$compile_caches"
 export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
 export OMP_NUM_THREADS=$((SLURM_CPUS_PER_TASK / 2))  # the CPU cores each process was given
 # GPU utilisation and memory every 10 s on this (the first) node, while the job runs
-mkdir -p runs/isambard-ai-tp-1n2g
+mkdir -p runs/isambard-ai-tp-1n2g && chmod 700 runs/isambard-ai-tp-1n2g
 nvidia-smi --query-gpu=timestamp,index,utilization.gpu,memory.used,memory.total --format=csv -l 10 > "runs/isambard-ai-tp-1n2g/gpu-$SLURM_JOB_ID.csv" &
 monitor=$!
 trap 'kill "$monitor" 2>/dev/null || true' EXIT

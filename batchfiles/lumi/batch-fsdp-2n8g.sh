@@ -38,7 +38,7 @@ export MIOPEN_USER_DB_PATH MIOPEN_CUSTOM_CACHE_DIR="$MIOPEN_USER_DB_PATH"
 export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
 export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK  # the CPU cores each process was given
 # GPU utilisation and memory every 10 s on this (the first) node, while the job runs
-mkdir -p runs/lumi-fsdp-2n8g
+mkdir -p runs/lumi-fsdp-2n8g && chmod 700 runs/lumi-fsdp-2n8g
 while true; do rocm-smi --showuse --showmemuse --csv; sleep 10; done > "runs/lumi-fsdp-2n8g/gpu-$SLURM_JOB_ID.csv" &
 monitor=$!
 trap 'kill "$monitor" 2>/dev/null || true' EXIT
