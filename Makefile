@@ -147,10 +147,10 @@ test: setup $(BOOK_JS) $(INSTRUCT_DATA) $(SHAPES_DATA) $(BASE_MODEL) $(EMBED_MOD
 test-fast: setup
 	$(BIN)/python -m pytest -m "(unit or diffs) and not slow"
 
-# torch.compile's caches: a folder of your own, checked (coursekit/caches.py), not /tmp's
+# On 127.0.0.1, kernels over Unix sockets only you can reach, torch.compile's caches your own
+# (coursekit/launch.py: lab_command; coursekit/caches.py)
 lab: setup
-	caches="$$($(BIN)/python -m coursekit compile-cache)" && eval "$$caches" && \
-	$(BIN)/jupyter lab --ip 127.0.0.1 --no-browser $(if $(filter 0,$(shell id -u)),--allow-root)
+	$(BIN)/python -m coursekit lab
 
 # Student versions: solutions and hidden tests removed. When grading, autograde skips the cells
 # tagged "demo" (runs and launches no exercise needs; nbgrader_config.py, book/instructor.md).

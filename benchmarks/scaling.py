@@ -20,7 +20,8 @@ from pathlib import Path
 
 from throughput import machine, stage_command, timed_run
 
-from coursekit import KIT_ROOT, data, launch, runs
+from coursekit import KIT_ROOT, data, runs
+from coursekit.launch import torchrun
 
 RESULTS = KIT_ROOT / "benchmarks" / "results" / "scaling.json"
 TORCHRUN_STAGES = ("ddp", "fsdp", "tp", "pp")
@@ -29,7 +30,7 @@ TORCHRUN_STAGES = ("ddp", "fsdp", "tp", "pp")
 def launch(stage, processes):
     """(launcher, extra flags, environment) of a stage at a number of processes."""
     if stage in TORCHRUN_STAGES and processes > 1:
-        return launch.torchrun(processes), [], None
+        return torchrun(processes), [], None
     if stage == "lit":
         threads = {"OMP_NUM_THREADS": "1"} if processes > 1 else {}
         return [sys.executable], ["--devices", str(processes)], {**os.environ, **threads}

@@ -23,6 +23,7 @@
     free-port                                  a TCP port free on this host now (batch files)
     torchrun --nproc N SCRIPT [ARGS]           SCRIPT on N processes here (static rendezvous)
     compile-cache                              export lines: torch.compile's caches, private
+    lab                                        JupyterLab as `make lab` starts it
     ray-node --head --port P | --address H:P   one node of a job's Ray cluster (batch files)
     ray-nodes --address H:P --expect N         wait for N Ray nodes, run a task on each
     mlflow-server [--store URI] [--port P]     MLflow's UI on 127.0.0.1 behind your own password
@@ -115,6 +116,8 @@ def build_parser():
     torchrun.add_argument("script", help="the script, then its own arguments")
     torchrun.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
+    commands.add_parser("lab", help="JupyterLab on 127.0.0.1, kernels over private Unix sockets, "
+                                    "torch.compile's caches private (make lab)")
     commands.add_parser("compile-cache", help="export lines for private Inductor and Triton caches "
                                               "(checked: yours, mode 0700)")
 
@@ -315,6 +318,14 @@ def run_torchrun(args):
     from coursekit import launch
     command = [*launch.torchrun(args.nproc), args.script, *args.script_args]
     print("$", shlex.join(command), flush=True)
+    os.execv(command[0], command)
+
+
+def run_lab(args):
+    from coursekit import caches, launch
+    caches.use_private_compile_cache()  # for a notebook's own torch.compile
+    os.environ["JUPYTER_RUNTIME_DIR"] = launch.lab_runtime_dir()
+    command = launch.lab_command()
     os.execv(command[0], command)
 
 
@@ -548,7 +559,7 @@ COMMANDS = {"envcheck": run_envcheck, "tokenizer": run_tokenizer, "data": run_da
             "selftest": run_selftest, "images": run_images, "ray-node": run_ray_node,
             "ray-nodes": run_ray_nodes, "rag": run_rag, "exchange": run_exchange,
             "autograde": run_autograde, "grades": run_grades, "torchrun": run_torchrun,
-            "compile-cache": run_compile_cache}
+            "compile-cache": run_compile_cache, "lab": run_lab}
 
 
 def main(argv=None):

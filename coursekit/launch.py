@@ -8,9 +8,12 @@ ids included, to anyone) can write a crafted pickle there and run code in the la
 job's owner. The static rendezvous keeps only plain bytes and JSON in the same store. It needs each node's rank (under Slurm, $SLURM_NODEID) and a port on the first node,
 chosen free when the job starts rather than derived from something another user can predict.
 """
+import os
 import shlex
 import socket
 import sys
+import tempfile
+from pathlib import Path
 
 #: The signals torchrun passes on to its workers: Slurm's SIGUSR1 before the time limit among
 #: them, so that the training processes checkpoint and exit.
@@ -49,6 +52,25 @@ def torchrun(processes, nodes=1, master_addr="127.0.0.1", master_port=None, rest
     several nodes, srun starts it once per node after PER_NODE."""
     return [sys.executable, "-m", "torch.distributed.run",
             *torchrun_options(processes, nodes, master_addr, master_port or free_port(), restarts)]
+
+
+def lab_command(*options):
+    """JupyterLab as `make lab` starts it, with ``options`` added: on 127.0.0.1, and its kernels
+    over IPC, Unix sockets in the user's private runtime folder (lab_runtime_dir), not TCP ports
+    on which any user of the node could send code to the kernel or read everything it prints;
+    no request from another origin changes anything (jupyter_guard)."""
+    as_root = ["--allow-root"] if os.geteuid() == 0 else []
+    return [str(Path(sys.executable).parent / "jupyter"), "lab", "--no-browser",
+            "--ip", "127.0.0.1", "--KernelManager.transport=ipc",
+            "--ServerApp.jpserver_extensions", "coursekit.jupyter_guard=True", *as_root, *options]
+
+
+def lab_runtime_dir():
+    """A new folder of this user's own (0700) for JupyterLab's runtime files: its kernels'
+    connection files and their Unix sockets. Under /tmp, not ~/.local/share/jupyter/runtime: a
+    socket's path may not exceed 107 bytes, which a kernel's beside a deep home folder does.
+    (The OnDemand session's script.sh makes the same folder with mktemp.)"""
+    return tempfile.mkdtemp(prefix="kit-jupyter-", dir="/tmp")
 
 
 def numbers_of_every_rank(numbers, device):

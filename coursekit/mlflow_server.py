@@ -15,6 +15,7 @@ import secrets
 import socket
 import stat
 import sys
+import tempfile
 from pathlib import Path
 
 from coursekit import KitError, launch, registry, runs, tracking
@@ -58,7 +59,8 @@ def server_environment(state):
     user = getpass.getuser()
     config = state / "basic_auth.ini"
     config.write_text(AUTH_CONFIG.format(database=(state / "users.db").resolve(), user=user))
-    return {**os.environ, "MLFLOW_AUTH_CONFIG_PATH": str(config),
+    return {**os.environ, "TMPDIR": tempfile.gettempdir(),  # tracking.make_store_private's
+            "MLFLOW_AUTH_CONFIG_PATH": str(config),
             "MLFLOW_AUTH_ADMIN_PASSWORD": secret(state / "password"),
             "MLFLOW_FLASK_SERVER_SECRET_KEY": secret(state / "session-key")}
 

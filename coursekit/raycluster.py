@@ -11,9 +11,11 @@ then starts one node per allocated host, each a step of the job:
 
 Each node keeps its sockets, logs and spilled objects in a directory of its own that no other
 user can enter (Ray's default, /tmp/ray, is shared by everyone on the host), removed when the node
-stops. The dashboard listens on the head's 127.0.0.1 only, behind the same token: reach it through
+stops. Ray opens that directory to everyone (0777, for other users' Ray on the same host), so it
+lies inside a parent that only its owner can enter; a local Ray's goes when its driver exits. The dashboard listens on the head's 127.0.0.1 only, behind the same token: reach it through
 an SSH tunnel.
 """
+import atexit
 import os
 import shutil
 import signal
@@ -80,10 +82,10 @@ def run_node(head, port=None, address=None, cpus=None, gpus=None):
         print(f"dashboard: 127.0.0.1:{dashboard_port} on {host}, behind the job's token (in "
               f"$RAY_AUTH_TOKEN_PATH): ssh -L {dashboard_port}:127.0.0.1:{dashboard_port} {host}, "
               f"through the login node, then open http://127.0.0.1:{dashboard_port}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="ray-") as temp_dir:  # mode 0700
+    with tempfile.TemporaryDirectory(prefix="kit-ray-") as parent:  # mode 0700
         # no draining on SIGTERM: it readies Ray Serve's replicas to move, and waits for the head,
         # which is stopping too
-        node = subprocess.Popen(start_command(temp_dir, head, port, address, cpus, gpus,
+        node = subprocess.Popen(start_command(ray_folder(parent), head, port, address, cpus, gpus,
                                               dashboard_port),
                                 env={**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
         stopped = []
@@ -98,6 +100,19 @@ def run_node(head, port=None, address=None, cpus=None, gpus=None):
     return 0 if stopped else status  # ray start exits 1 when it is stopped, as asked
 
 
+def ray_folder(parent):
+    """Ray's temp folder inside ``parent``, a folder of this user's alone: Ray makes its own 0777,
+    and a co-tenant who could enter it could rename the raylet's socket or read the logs."""
+    return Path(parent) / "ray"
+
+
+def stop_local_ray(parent):
+    """At the driver's exit: Ray's processes, then their folder (Ray leaves it behind)."""
+    import ray
+    ray.shutdown()
+    shutil.rmtree(parent, ignore_errors=True)
+
+
 def connect(address=None):
     """ray.init() for a driver: the job's cluster (RAY_ADDRESS, or ``address``), reached from this
     host's address (the one the head node was started with), or a local Ray where there is none."""
@@ -106,7 +121,9 @@ def connect(address=None):
     address = address or os.environ.get("RAY_ADDRESS")
     if address is None:  # its sockets and logs in a folder of this user's own, not /tmp/ray,
         # which the first user of a shared node to start Ray owns
-        return ray.init(logging_level="warning", _temp_dir=tempfile.mkdtemp(prefix="ray-"))
+        parent = tempfile.mkdtemp(prefix="kit-ray-")  # mode 0700
+        atexit.register(stop_local_ray, parent)
+        return ray.init(logging_level="warning", _temp_dir=str(ray_folder(parent)))
     check_token()
     return ray.init(address=address, _node_ip_address=node_address(), logging_level="warning")
 

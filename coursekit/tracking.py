@@ -22,11 +22,12 @@ import platform
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from importlib import metadata
 from pathlib import Path
 
-from coursekit import KIT_ROOT, KitError, runs
+from coursekit import KIT_ROOT, KitError, caches, runs
 
 BACKENDS = ("none", "mlflow", "tensorboard")
 # what a run directory holds besides checkpoints (each stage writes some of them)
@@ -130,8 +131,17 @@ def make_store_private(uri, artifacts=None):
         database.parent.mkdir(parents=True, exist_ok=True)
         os.close(os.open(database, os.O_CREAT | os.O_WRONLY, 0o600))  # an empty file is a new store
         runs.keep_private(database)
+        # MLflow opens /tmp/db_init_lock-<hash of the URI> for writing: a link another user put
+        # there first would be followed where the kernel allows it. This process's temporary
+        # files go to a folder of the user's own, beside the store, instead.
+        tempfile.tempdir = str(private_temp_folder(database))
     if artifacts is not None:
         runs.make_run_dir(artifacts)
+
+
+def private_temp_folder(database):
+    """The folder for temporary files of the processes that open ``database``: theirs alone."""
+    return caches.private_folder(database.parent / ".tmp")
 
 
 def experiment_name():

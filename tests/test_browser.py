@@ -19,10 +19,8 @@ import secrets
 import shutil
 import signal
 import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 import chromium
@@ -33,7 +31,7 @@ from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from selenium.webdriver.support.ui import WebDriverWait
 
-from coursekit import KIT_ROOT
+from coursekit import KIT_ROOT, launch
 
 # the first book test may be the one that builds the book (conftest.built_book)
 pytestmark = [pytest.mark.browser, pytest.mark.slow, pytest.mark.timeout(1800)]
@@ -152,14 +150,13 @@ def lab(tmp_path_factory):
     root = tmp_path_factory.mktemp("lab")
     shutil.copy(LAB_LESSON, root)
     port, token = free_port(), secrets.token_hex(16)
-    server = subprocess.Popen(
-        [str(Path(sys.executable).parent / "jupyter"), "lab", "--no-browser", "--ip", "127.0.0.1",
-         # port_retries=0: if another process took the port since free_port(), fail here rather
-         # than serve on another port while the test asks this one
-         f"--port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-         f"--ServerApp.root_dir={root}",
-         "--LabApp.expose_app_in_browser=True", *(["--allow-root"] if os.geteuid() == 0 else [])],
-        env=kit_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    server = subprocess.Popen(launch.lab_command(  # as `make lab` starts it: kernels over IPC
+        # port_retries=0: if another process took the port since free_port(), fail here rather
+        # than serve on another port while the test asks this one
+        f"--port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True"),
+        env=kit_env({"JUPYTER_RUNTIME_DIR": launch.lab_runtime_dir()}), stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     wait_until_lab_answers(url, token, server)
     yield url, token

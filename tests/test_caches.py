@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from coursekit import KIT_ROOT, caches
+from coursekit import KIT_ROOT
 from solutions import train_gpt2_std
 
 pytestmark = pytest.mark.unit
@@ -73,9 +73,9 @@ def test_an_open_cache_folder_of_ones_own_is_refused_until_closed(tmp_path):
                                             f"export TRITON_CACHE_DIR={folder}/triton"]
 
 
-def test_batch_files_the_lab_and_the_ondemand_session_export_the_private_caches():
+def test_batch_files_make_lab_and_the_ondemand_session_use_the_private_caches():
     checked = 'compile_caches="$(python -m coursekit compile-cache)"'
     assert checked in (KIT_ROOT / "ondemand" / "template" / "script.sh.erb").read_text()
-    assert "-m coursekit compile-cache)\" && eval" in (KIT_ROOT / "Makefile").read_text()
+    assert "$(BIN)/python -m coursekit lab" in (KIT_ROOT / "Makefile").read_text()
     for batch_file in (KIT_ROOT / "batchfiles").glob("*/batch-*.sh"):
         assert "compile_caches=$(python -m coursekit compile-cache)" in batch_file.read_text()

@@ -32,6 +32,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 import yaml
 
@@ -336,6 +337,59 @@ def stop(process):
             process.wait()
 
 
+#: A page of another origin that the browser sends the session's cookie with: a sibling
+#: subdomain of the portal, which SameSite=Strict counts as the same site.
+EVIL = "https://evil.portal.test"
+
+
+def assert_other_origins_change_nothing(base, session_cookie, browser):
+    """Issue 47, item 5: with the session's cookie, a POST from another origin to nbgrader's
+    handlers, the formgrader's autograde and jupyter-server-proxy is refused (403) before any
+    of them runs; from the portal's own page without the XSRF token too, as Jupyter's API is."""
+    def post(path, origin):
+        request = urllib.request.Request(f"{base}/{path}", data=b"", method="POST", headers={
+            "Cookie": session_cookie, "Origin": origin})
+        try:
+            return browser.open(request, timeout=30).status
+        except urllib.error.HTTPError as refused:
+            return refused.code
+    for path in ("assignments/fetch?course_id=c&assignment_id=a", "assignments/submit",
+                 "assignments/validate", "formgrader/api/submission/lesson/trainee/autograde"):
+        assert post(path, EVIL) == 403, path
+        assert post(path, PORTAL) == 403, path  # no XSRF token
+    # the proxied app (MLflow's UI) checks its own requests: the portal's pages reach it
+    assert post(f"proxy/{free_port()}/anything", EVIL) == 403
+
+
+def assert_kernels_listen_on_no_port(base, token, session):
+    """Issue 47, item 10: a kernel started in the session takes its connections over Unix
+    sockets beside its connection file, in a folder only its user can enter, and listens on no
+    TCP port (where any user of the node could send it code, or read what it prints)."""
+    start = urllib.request.Request(f"{base}/api/kernels", data=b"{}", headers=token,
+                                   method="POST")
+    with urllib.request.urlopen(start) as answer:
+        kernel_id = json.load(answer)["id"]
+    try:
+        deadline = time.monotonic() + 60
+        while not (kernels := [child for child in psutil.Process(session.pid).children(True)
+                               if kernel_id in " ".join(child.cmdline())]):
+            assert time.monotonic() < deadline, "the kernel never started"
+            time.sleep(0.5)
+        kernel = kernels[0]
+        connection_file = Path(kernel.cmdline()[kernel.cmdline().index("-f") + 1])
+        assert json.loads(connection_file.read_text())["transport"] == "ipc"
+        assert connection_file.parent.stat().st_mode & 0o777 == 0o700
+        time.sleep(2)  # its sockets are bound once it has started
+        # Over TCP a kernel listens on 6 ports: its 5 channels and ipykernel's pipe for the output
+        # of forked processes, which drops every message without the kernel's random key. Over
+        # IPC only that pipe is left.
+        listening = [c for c in kernel.net_connections("tcp") if c.status == "LISTEN"]
+        assert len(listening) <= 1, listening
+    finally:
+        urllib.request.urlopen(urllib.request.Request(f"{base}/api/kernels/{kernel_id}",
+                                                      headers=token, method="DELETE"))
+
+
 @pytest.mark.ondemand
 @pytest.mark.slow
 def test_session_starts_jupyterlab_behind_the_node_proxy(ruby, tmp_path):
@@ -382,6 +436,7 @@ def test_session_starts_jupyterlab_behind_the_node_proxy(ruby, tmp_path):
         with urllib.request.urlopen(urllib.request.Request(f"{base}/api/kernelspecs",
                                                            headers=token)) as answer:
             assert "python3" in json.load(answer)["kernelspecs"]
+        assert_kernels_listen_on_no_port(base, token, session)
 
         # The Connect button: post view.html.erb's form as a browser would, without a token.
         view = _Form()
@@ -389,7 +444,12 @@ def test_session_starts_jupyterlab_behind_the_node_proxy(ruby, tmp_path):
         assert view.action == f"/node/{conn['host']}/{conn['port']}/login"
         browser = urllib.request.build_opener(_NoRedirect)
         login = urllib.request.Request(f"http://127.0.0.1:{conn['port']}{view.action}",
-                                       data=urllib.parse.urlencode(view.fields).encode())
+                                       data=urllib.parse.urlencode(view.fields).encode(),
+                                       headers={"Origin": PORTAL})  # the dashboard's page
+        with pytest.raises(urllib.error.HTTPError) as forged:  # the same form, posted elsewhere
+            browser.open(urllib.request.Request(login.full_url, data=login.data,
+                                                headers={"Origin": EVIL}), timeout=10)
+        assert forged.value.code == 403
         with pytest.raises(urllib.error.HTTPError) as redirect:
             browser.open(login, timeout=10)
         assert redirect.value.code == 302, redirect.value.read()
@@ -400,8 +460,7 @@ def test_session_starts_jupyterlab_behind_the_node_proxy(ruby, tmp_path):
         # With that cookie, as a browser sends it: the portal's pages may call the API, a page
         # of any other origin (another app behind the portal, a sibling subdomain) may not.
         contents = f"{base}/api/contents"
-        for origin, allowed in ((PORTAL, True), ("https://evil.portal.test", False),
-                                ("null", False)):
+        for origin, allowed in ((PORTAL, True), (EVIL, False), ("null", False)):
             request = urllib.request.Request(contents, headers={
                 "Cookie": cookie.split(";", 1)[0], "Origin": origin})
             try:
@@ -409,8 +468,10 @@ def test_session_starts_jupyterlab_behind_the_node_proxy(ruby, tmp_path):
             except urllib.error.HTTPError as refused:
                 answered = refused.code
             assert (answered == 200) == allowed, (origin, answered)
+        assert_other_origins_change_nothing(base, cookie.split(";", 1)[0], browser)
         # ...and a wrong password does not log in.
-        wrong = urllib.request.Request(login.full_url, data=b"password=wrong")
+        wrong = urllib.request.Request(login.full_url, data=b"password=wrong",
+                                       headers={"Origin": PORTAL})
         with pytest.raises(urllib.error.HTTPError) as refused:
             browser.open(wrong, timeout=10)
         assert refused.value.code == 401

@@ -4,7 +4,7 @@ each precision: tests/test_perf.py.)"""
 import pytest
 import torch
 
-from coursekit import KitError, training
+from coursekit import training
 
 pytestmark = pytest.mark.unit
 

@@ -3,10 +3,11 @@ dashboard on 127.0.0.1 and its files in a directory of its own (the cluster itse
 test cluster: tests/test_slurm.py)."""
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-from coursekit import raycluster
+from coursekit import KIT_ROOT, raycluster
 
 pytestmark = pytest.mark.unit
 
@@ -49,3 +50,35 @@ def test_the_head_listens_for_its_dashboard_on_loopback_and_keeps_its_files_apar
     assert options["--node-ip-address"] == raycluster.node_address()
     worker = raycluster.start_command(tmp_path / "w", head=False, address="node1:6379", gpus=4)
     assert dict(zip(worker, worker[1:]))["--address"] == "node1:6379" and "--head" not in worker
+
+
+#: A driver with a local Ray, as lesson 09's kernel starts one: it says where Ray keeps its
+#: sockets, then holds Ray until its input closes.
+LOCAL_RAY_DRIVER = """
+import sys
+from coursekit import raycluster
+raycluster.connect()
+import ray
+print(ray._private.worker._global_node.get_session_dir_path(), flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.stages
+def test_a_co_tenant_can_enter_no_folder_of_a_local_ray_which_goes_when_it_stops(cotenant):
+    """Issue 47, item 6: Ray makes its temp folder 0777; the co-tenant renamed the raylet's socket
+    in it, and the driver died. Here they try to list it and to move the socket away."""
+    driver = subprocess.Popen([sys.executable, "-c", LOCAL_RAY_DRIVER], cwd=KIT_ROOT,
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        session = Path(driver.stdout.readline().strip())
+        assert session.is_dir(), "the driver's Ray did not start"
+        private = session.parents[1]  # above Ray's own folder (0777): the kit's parent
+        assert private.name.startswith("kit-ray-") and private.stat().st_mode & 0o777 == 0o700
+        for attempt in (["ls", str(session.parent)],
+                        ["mv", str(session / "sockets" / "raylet"), "/tmp/stolen-raylet"]):
+            refused = cotenant.run(*attempt, check=False)
+            assert refused.returncode != 0 and "Permission denied" in refused.stderr, attempt
+    finally:
+        driver.communicate("", timeout=120)
+    assert driver.returncode == 0 and not private.exists()

@@ -43,7 +43,6 @@ import ctypes.util
 import gc
 import json
 import shutil
-import statistics
 import subprocess
 import time
 from pathlib import Path
