@@ -100,7 +100,10 @@ def squatted_cache(cotenant):
 def test_compiled_bf16_trains_evaluates_and_samples_within_its_recompiles(
         stage, builtin_data, tmp_path, compile_home, squatted_cache):
     result = train(stage, builtin_data, tmp_path, "--precision", "bf16", "--compile",
+                   # one compile thread: no pool of compile workers (each a Python importing
+                   # torch) beside every rank on the 2 cores; the graphs and kernels are the same
                    env={"TORCH_LOGS": "recompiles,torch._dynamo.backends.distributed",
+                        "TORCHINDUCTOR_COMPILE_THREADS": "1",
                         "HOME": str(compile_home), "TORCHINDUCTOR_CACHE_DIR": None,
                         "TRITON_CACHE_DIR": None})
     assert not any(squatted_cache.iterdir())  # the co-tenant's folder: nothing written there
