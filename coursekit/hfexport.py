@@ -128,16 +128,15 @@ def load_sharded_model_state(checkpoint):
     """Reassemble the model from a sharded checkpoint (FSDP's shards, TP's slices, PP's stages):
     the metadata gives every tensor's full shape, and dcp.load without a process group fills
     whole tensors from all ranks' files."""
-    import torch.distributed.checkpoint as dcp
+    from coursekit import dcp_data  # its pickles read as data: no code in them runs
 
-    reader = dcp.FileSystemReader(checkpoint)
-    shapes = reader.read_metadata().state_dict_metadata
+    shapes = dcp_data.DataOnlyReader(checkpoint).read_metadata().state_dict_metadata
     model = {name.removeprefix("model."): torch.empty(meta.size, dtype=meta.properties.dtype)
              for name, meta in shapes.items() if name.startswith("model.")}
     state = {"model": model}  # the optimiser's shards are left on disk
     with warnings.catch_warnings():  # one process without a group is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, storage_reader=reader, no_dist=True)
+        dcp_data.load(state, checkpoint, no_dist=True)
     return state["model"]
 
 

@@ -297,6 +297,13 @@ def file_hashes(folder):
             if path.is_file() and path.name != MANIFEST}
 
 
+def load_sharded(state, path):
+    """dcp.load of ``state`` from the sharded (DCP) checkpoint ``path``, reading its pickles as
+    data only: coursekit.dcp_data says why."""
+    from coursekit import dcp_data  # loads torch.distributed.checkpoint: for the sharded stages
+    dcp_data.load(state, path)
+
+
 def checkpoint_step(path):
     """The step a published checkpoint folder (step_NNNNNNNN) was saved at."""
     return int(Path(path).name.removeprefix("step_"))

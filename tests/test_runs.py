@@ -1,5 +1,6 @@
 """Run directories: metrics.jsonl, atomic JSON, checkpoints in safetensors + JSON."""
 import hashlib
+import io
 import json
 import os
 import shutil
@@ -8,6 +9,7 @@ import stat
 import pytest
 import torch
 
+from conftest import CreatesFile
 from coursekit import KitError, runs
 
 pytestmark = pytest.mark.unit
@@ -200,3 +202,28 @@ def test_a_broken_newest_checkpoint_gives_way_to_the_one_before(tmp_path, capsys
     warning = capsys.readouterr().err
     assert warning.count("\n") == 1 and warning.startswith(f"warning: checkpoint {newest} differs")
     assert warning.endswith(f"resuming from {tmp_path / 'ckpt' / 'step_00000002'} instead\n")
+
+
+def test_what_a_sharded_checkpoint_keeps_beside_tensors_is_read_as_data(tmp_path):
+    """Issue 47, item 9: DCP reads the state that is not a tensor (the data loader's position)
+    with torch.load; a crafted object there is refused in one line, and runs nothing."""
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
+
+    from coursekit import dcp_data
+    marker = tmp_path / "the-attackers-code-ran"
+    crafted, plain = io.BytesIO(), io.BytesIO()
+    torch.save(CreatesFile(marker), crafted)
+    torch.save({"shard": 1, "offset": 2048}, plain)
+    planner = dcp_data.DataOnlyLoadPlanner(flatten_state_dict=False)
+    planner.state_dict = {}
+    index = MetadataIndex("train_loader")
+    item = ReadItem(LoadItemType.BYTE_IO, index, torch.Size([0]), index, torch.Size([0]),
+                    torch.Size([0]))
+    planner.load_bytes(item, io.BytesIO(plain.getvalue()))
+    assert planner.state_dict == {"train_loader": {"shard": 1, "offset": 2048}}
+    with pytest.raises(KitError) as refused:
+        planner.load_bytes(item, io.BytesIO(crafted.getvalue()))
+    assert str(refused.value).startswith("train_loader in the checkpoint holds more than tensors "
+                                         "and plain values: it is not loaded (")
+    assert "\n" not in str(refused.value) and not marker.exists()

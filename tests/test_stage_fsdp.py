@@ -125,6 +125,24 @@ def test_a_checkpoint_pickle_written_by_someone_else_is_not_resumed_from(fsdp_tw
         f"{copy} can be resumed from")
 
 
+def test_a_self_consistent_checkpoint_from_someone_else_runs_none_of_its_pickles(
+        fsdp_two, builtin_data, tmp_path):
+    """Issue 47, item 9: a checkpoint copied in from someone else, whose manifest they wrote to
+    match (a hash list anyone can compute), its metadata a crafted pickle: the resume stops in
+    one line, and nothing in it runs (coursekit.dcp_data)."""
+    out, _ = fsdp_two
+    copy = checkpoint_at_step_5(out, tmp_path / "run")
+    checkpoint, marker = copy / "ckpt" / "step_00000005", tmp_path / "the-attackers-code-ran"
+    (checkpoint / ".metadata").write_bytes(pickle.dumps(CreatesFile(marker)))
+    runs.write_json_atomic(checkpoint / runs.MANIFEST, runs.file_hashes(checkpoint))
+    result = run_stage("train_gpt2_fsdp.py", *STEPS, "--resume", "--data", builtin_data, "--out",
+                       copy)
+    assert result.returncode == 1 and not marker.exists(), result.stderr[-3000:]  # faults.run's
+    assert result.stderr == ("error: a checkpoint's metadata asks for io.open, which a DCP "
+                             "checkpoint of the kit does not hold: it is not loaded (was it "
+                             "made by someone else?)\n")
+
+
 SHORT = ["--preset", "tiny", "--max-steps", "3", "--device", "cpu"]
 
 
