@@ -38,6 +38,8 @@ c.ExecutePreprocessor.timeout = 600
 os.environ["JUPYTER_PATH"] = os.pathsep.join(
     [str(Path(grading.__file__).with_name("jupyter")), *filter(None, [os.environ.get("JUPYTER_PATH")])])
 c.Execute.kernel_name = grading.GRADING_KERNEL
+# the grading kernel's channels: Unix sockets in a folder of its own, as its sandbox has no network
+c.Execute.kernel_manager_class = "coursekit.sandbox.SandboxKernelManager"
 # A submission in the exchange that belongs to another user than the trainee it names is refused
 # (nbgrader only warns): one trainee cannot hand in work as another.
 c.ExchangeFactory.collect = grading.OwnerCheckedCollect

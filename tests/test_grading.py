@@ -6,6 +6,7 @@ their points."""
 import contextlib
 import json
 import shutil
+import socket
 import textwrap
 
 import nbformat
@@ -179,7 +180,7 @@ def left_out(exercise_ids, half):
 
 
 @pytest.fixture(scope="module")
-def graded(course, tmp_path_factory):
+def graded(course, tmp_path_factory, intrusion_targets):
     """Per lesson, graded once when a test first asks: (exercises, {student: scores}) for the two
     halves (HALVES): the source with every other exercise's solution put back as released or,
     where the kit computes the same thing, replaced by a call to the kit (SHORTCUTS). Between
@@ -199,7 +200,7 @@ def graded(course, tmp_path_factory):
             if lesson == LESSONS[0]:  # the release, the sanitising step and the sandbox
                 notebooks["blank"] = release
                 notebooks["blank-tests-tagged-demo"] = with_graded_cells_tagged_demo(release)
-                notebooks["intruder"] = with_intrusion(source, lesson)
+                notebooks["intruder"] = with_intrusion(source, lesson, *intrusion_targets)
             unconverted = {"blank", *(half for half in HALVES if grading.GRADED_WORKING_COPIES.get(
                 lesson) in left_out(list(exercises(source)), half))}
             submissions = {student: grading.hand_in(folder / student, lesson, notebook,
@@ -219,11 +220,14 @@ def graded(course, tmp_path_factory):
 
 
 #: A cell that a trainee adds to a solved notebook: it tries to change the gradebook and the kit,
-#: and to read another trainee's submission and the lesson's hidden tests, and prints how each
-#: attempt ended (the sandbox must make every one fail).
+#: to read another trainee's submission, the lesson's hidden tests and the kit's history, to
+#: reach a listener on 127.0.0.1 and to leave a link to a grader's file where autograde writes
+#: and sets modes afterwards; it prints how each attempt ended (the sandbox must make every one
+#: fail, or, for the link, come to nothing: test_a_submission_reaches_...).
 INTRUSION = """
 import json
 import os
+import socket
 from pathlib import Path
 
 from coursekit import KIT_ROOT
@@ -237,6 +241,9 @@ attempts = {
     "change the kit": lambda: open(KIT_ROOT / "coursekit" / "exercise.py", "a").write("#"),
     "read the grader's .netrc": lambda: (Path.home() / ".netrc").read_text(),
     "find the grader's tokens": lambda: [name for name in os.environ if "TOKEN" in name],
+    "read the kit's history": lambda: (KIT_ROOT / ".git" / "HEAD").read_text(),
+    "reach a listener": lambda: socket.create_connection(("127.0.0.1", PORT), timeout=5),
+    "link to a grader's file": lambda: os.symlink(VICTIM, "notes.txt"),
 }
 outcomes = {}
 for name, attempt in attempts.items():
@@ -259,11 +266,24 @@ def grader_with_secrets(home):
         yield
 
 
-def with_intrusion(notebook, lesson):
+def with_intrusion(notebook, lesson, victim, listener):
     """A copy of ``notebook`` whose first cell is INTRUSION (a cell of the trainee's own)."""
     copy = nbformat.from_dict(notebook)
-    copy.cells.insert(0, nbformat.v4.new_code_cell(f"LESSON = {lesson!r}\n{INTRUSION}"))
+    names = (f"LESSON = {lesson!r}\nVICTIM = {str(victim)!r}\n"
+             f"PORT = {listener.getsockname()[1]}\n")
+    copy.cells.insert(0, nbformat.v4.new_code_cell(names + INTRUSION))
     return copy
+
+
+@pytest.fixture(scope="module")
+def intrusion_targets(tmp_path_factory):
+    """A grader's file (0600) that INTRUSION links to, and a listener on 127.0.0.1 it tries to
+    reach (a connection would succeed whether or not anyone accepts it)."""
+    victim = tmp_path_factory.mktemp("grader-files") / "private.txt"
+    victim.write_text("the grader's")
+    victim.chmod(0o600)
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        yield victim, listener
 
 
 def without(source, release, shortcuts, exercise_ids):
@@ -329,7 +349,8 @@ def test_grades_and_trainees_work_are_readable_by_the_instructor_alone(course, g
     assert released.stat().st_mode & 0o044 == 0o044  # trainees copy the release
 
 
-def test_a_submission_reaches_no_gradebook_no_other_work_and_no_grader_file(course, graded):
+def test_a_submission_reaches_no_gradebook_no_other_work_and_no_grader_file(course, graded,
+                                                                             intrusion_targets):
     """Graded in the sandbox, a trainee's own cell could neither write nor read what is not
     theirs, and their solved notebook still got full marks in the gradebook."""
     _, scores = graded(LESSONS[0])
@@ -339,10 +360,18 @@ def test_a_submission_reaches_no_gradebook_no_other_work_and_no_grader_file(cour
                                     f"{LESSONS[0]}.ipynb", as_version=4)
     printed = "".join(output.get("text", "") for output in graded_notebook.cells[0].outputs)
     outcomes = json.loads(printed.split("INTRUSION ", 1)[1])
-    assert outcomes == {"write the gradebook": "refused", "list the submissions": "got []",
+    assert outcomes == {"write the gradebook": "refused", "list the submissions": "refused",
                         "read another's": "refused", "read the hidden tests": "refused",
                         "change the kit": "refused", "read the grader's .netrc": "refused",
-                        "find the grader's tokens": "got []"}, outcomes
+                        "find the grader's tokens": "got []", "read the kit's history": "refused",
+                        "reach a listener": "refused", "link to a grader's file": "got None"}, \
+        outcomes
+    # the link was made in the sandbox's copy of the folder: autograde, which then wrote the
+    # graded notebook there and set every file's mode, found no link to follow
+    autograded = course / "autograded" / "intruder" / LESSONS[0]
+    assert not [path for path in autograded.rglob("*") if path.is_symlink()]
+    victim, _ = intrusion_targets
+    assert victim.read_text() == "the grader's" and victim.stat().st_mode & 0o777 == 0o600
 
 
 def test_a_test_cell_tagged_demo_is_still_run(graded):
