@@ -6,7 +6,7 @@ create that folder first (its name is predictable), leave it open, and put their
 it: the next compile runs it as you. Triton keeps its compiled kernels next to them. So the kit
 gives both caches a folder of the user's own (0700), under ~/.cache unless TORCHINDUCTOR_CACHE_DIR
 names another, and checks before every use that it still is: it belongs to the user and no one
-else may enter it.
+else may write in it.
 
 The stages call use_private_compile_cache() before they compile; `make lab`, the OnDemand
 session and the batch files export what `python -m coursekit compile-cache` prints, so that a
@@ -26,7 +26,8 @@ DEFAULT_COMPILE_CACHE = Path("~/.cache/coursekit/torch-compile")
 
 def private_folder(path):
     """``path``, created 0700 if absent; a one-line error if it belongs to someone else or
-    others may enter it (a folder they could write, or swap files in, is not private)."""
+    others may write in it (and so swap its files). One of the user's own that others may only
+    read is taken: torch makes its default cache folder so (0755) when it compiles."""
     path = Path(path).expanduser()
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     path.mkdir(mode=0o700, exist_ok=True)
@@ -37,9 +38,9 @@ def private_folder(path):
     if info.st_uid != os.getuid():
         raise KitError(f"{path} belongs to user id {info.st_uid}, not to you: another user may "
                        "have created it to fill it with code; name a folder of your own")
-    if stat.S_IMODE(info.st_mode) & 0o077:
-        raise KitError(f"{path} has mode {stat.S_IMODE(info.st_mode):04o}: others may enter it; "
-                       f"run `chmod 700 {shlex.quote(str(path))}` (or name another folder)")
+    if stat.S_IMODE(info.st_mode) & 0o022:
+        raise KitError(f"{path} has mode {stat.S_IMODE(info.st_mode):04o}: others may write in "
+                       f"it; run `chmod 700 {shlex.quote(str(path))}` (or name another folder)")
     return path
 
 

@@ -30,6 +30,12 @@ from pathlib import Path
 from coursekit import KitError, launch
 
 
+#: On a busy node (a shared login node, a test run's 2 cores) Ray's per-node agent can take more
+#: than the 30 s the raylet gives it to register, and the raylet then aborts the node's start
+#: ("Timed out waiting for file .../metrics_agent_port"): give it 5 minutes.
+PATIENT_START = {"RAY_agent_register_timeout_ms": "300000"}
+
+
 def check_token():
     """The job's token settings, or a KitError saying what is missing or unsafe."""
     if os.environ.get("RAY_AUTH_MODE") != "token":
@@ -87,7 +93,8 @@ def run_node(head, port=None, address=None, cpus=None, gpus=None):
         # which is stopping too
         node = subprocess.Popen(start_command(ray_folder(parent), head, port, address, cpus, gpus,
                                               dashboard_port),
-                                env={**os.environ, "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
+                                env={**os.environ, **PATIENT_START,
+                                     "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
         stopped = []
 
         def stop(signum, frame):  # the whole step gets it, as a rule: make sure ray start does
@@ -123,6 +130,8 @@ def connect(address=None):
         # which the first user of a shared node to start Ray owns
         parent = tempfile.mkdtemp(prefix="kit-ray-")  # mode 0700
         atexit.register(stop_local_ray, parent)
+        for name, value in PATIENT_START.items():  # for the processes ray.init starts
+            os.environ.setdefault(name, value)
         return ray.init(logging_level="warning", _temp_dir=str(ray_folder(parent)))
     check_token()
     return ray.init(address=address, _node_ip_address=node_address(), logging_level="warning")

@@ -53,7 +53,7 @@ def builtin_data(tmp_path_factory):
 SCREENSHOT_DIR = KIT_ROOT / "_build" / "browser"
 SESSION_START = time.time()
 
-#: `make test` runs the suite on 3 pytest-xdist workers. The tests of these files stay on one
+#: `make test` runs the suite on 2 pytest-xdist workers. The tests of these files stay on one
 #: worker: the book is built from the lessons' nbval runs, and the browser tests share its two
 #: editions (built_book, instructor_book), so the book's tests follow nbval on its worker instead
 #: of waiting for it on another; the Slurm test cluster is one per machine. Every other test
