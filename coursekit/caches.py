@@ -12,9 +12,12 @@ The stages call use_private_compile_cache() before they compile; `make lab`, the
 session and the batch files export what `python -m coursekit compile-cache` prints, so that a
 notebook's own torch.compile uses the same folder.
 """
+import getpass
 import os
+import re
 import shlex
 import stat
+import tempfile
 from pathlib import Path
 
 from coursekit import KitError
@@ -44,17 +47,38 @@ def private_folder(path):
     return path
 
 
+def torch_default_cache():
+    """Where Inductor caches when told nothing (torch/_inductor/runtime/cache_dir_utils.py,
+    default_cache_dir), worked out here without importing torch."""
+    user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+
+
+def named_inductor_cache(environ):
+    """The Inductor cache the environment names, if a user named it. torch exports its own
+    default there once anything asks for the cache folder, which importing parts of torch does:
+    that value is the one to replace, not one a user chose."""
+    named = environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return None if not named or os.path.abspath(named) == torch_default_cache() else named
+
+
 def compile_cache_env(environ=os.environ):
     """{variable: folder} for Inductor's and Triton's caches: the folders the environment names,
     else the kit's default, each checked private (private_folder)."""
-    inductor = private_folder(environ.get("TORCHINDUCTOR_CACHE_DIR") or DEFAULT_COMPILE_CACHE)
+    inductor = private_folder(named_inductor_cache(environ) or DEFAULT_COMPILE_CACHE)
     triton = private_folder(environ.get("TRITON_CACHE_DIR") or inductor / "triton")
     return {"TORCHINDUCTOR_CACHE_DIR": str(inductor), "TRITON_CACHE_DIR": str(triton)}
 
 
 def use_private_compile_cache():
-    """Point this process's compile caches at private folders (before anything compiles)."""
-    os.environ.update(compile_cache_env())
+    """Point this process's compile caches at private folders (before anything compiles). Inductor
+    keeps its precompiled C++ headers, which every CPU kernel's compile reads, in its default
+    folder whatever TORCHINDUCTOR_CACHE_DIR says (codecache._HEADER_DIR, fixed when that module
+    is imported, as it is by the first compile): so this process's temporary folder, where that
+    default lies, becomes a private one too."""
+    caches = compile_cache_env()
+    os.environ.update(caches)
+    tempfile.tempdir = str(private_folder(Path(caches["TORCHINDUCTOR_CACHE_DIR"]) / "tmp"))
 
 
 def export_lines():
