@@ -30,14 +30,16 @@ authorization_function = mlflow.server.auth:authenticate_request_basic_auth
 
 
 def private_state(state):
-    """STATE, made 0700 if new; refused in one line if it is someone else's or open to others."""
-    runs.make_run_dir(state)
-    info = state.stat()
-    if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
-        raise KitError(f"{state} must be yours and closed to others (mode "
-                       f"{stat.S_IMODE(info.st_mode):o}, owner id {info.st_uid}): "
-                       f"`chmod 700 {state}`, or pass another --state")
-    return state
+    """STATE, made 0700 if new; refused in one line if it is someone else's or open to others:
+    checked before make_run_dir, which would close an open one, as others may have read the
+    password in it already."""
+    if state.exists():
+        info = state.stat()
+        if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
+            raise KitError(f"{state} must be yours and closed to others (mode "
+                           f"{stat.S_IMODE(info.st_mode):o}, owner id {info.st_uid}): "
+                           f"`chmod 700 {state}`, or pass another --state")
+    return runs.make_run_dir(state)
 
 
 def secret(path):
