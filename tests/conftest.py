@@ -23,14 +23,20 @@ from pathlib import Path
 import nbformat
 import pytest
 
-# `make test` runs three pytest-xdist workers on a 2-core machine. PyTorch starts one thread per
+# `make test` runs two pytest-xdist workers on a 2-core machine. PyTorch starts one thread per
 # core in every process, so the workers' lessons and runs would keep many more busy threads than
 # cores, which wait for each other: a pair of lessons took 136 s side by side that way and 106 s
 # with one thread each (and a third less CPU time). So each worker, and every kernel, stage run
 # and job it starts, uses one thread, as torchrun gives its processes; set before torch loads.
+# Ray starts its workers at nice 15, below its own raylet, which suits a node whose cores are the
+# job's. Here they share the cores with the other pytest worker's processes at nice 0, which then
+# get 28 times their share: the Ray Train test took 50 s alone and 269 s beside a lesson, and a
+# Ray cluster across the test cluster's nodes did not start in 300 s (39 s alone). So Ray's
+# workers run at the same priority as everything else the tests start.
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
+    os.environ.setdefault("RAY_worker_niceness", "0")
 
 from coursekit import KIT_ROOT, data, launch
 from coursekit.launch import free_port  # the tests take it from here

@@ -65,6 +65,7 @@ sys.stdin.read()
 
 
 @pytest.mark.stages
+@pytest.mark.slow  # starts Ray: not for make test-fast, whose selection takes the module's unit
 def test_a_co_tenant_can_enter_no_folder_of_a_local_ray_which_goes_when_it_stops(cotenant):
     """Issue 47, item 6: Ray makes its temp folder 0777; the co-tenant renamed the raylet's socket
     in it, and the driver died. Here they try to list it and to move the socket away."""
