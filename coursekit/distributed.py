@@ -138,6 +138,34 @@ def rendezvous_store(rank, world_size, timeout):
     return dist.PrefixStore(f"launch_{launch}", store)
 
 
+#: What gloo raises when a peer's address in the store is not one a process wrote: C++'s length
+#: and allocation errors on a size read from the bytes (ValueError "basic_string::_M_create",
+#: MemoryError "std::bad_alloc"), or one of its own checks ("[enforce fail at ...]").
+UNREADABLE_START = (ValueError, MemoryError)
+GLOO_CHECK = "enforce fail"
+
+
+def start_group(device, rank, world_size, timeout):
+    """init_process_group on the launch's store. The store takes any connection (torch has no
+    password for it), so another user of the node can write garbage over the addresses the
+    processes leave there for each other: gloo then fails with C++'s error, a traceback, and
+    torchrun would start the group again into the same store. Instead: one line, no restart."""
+    store = rendezvous_store(rank, world_size, timeout)
+    try:
+        dist.init_process_group(BACKENDS[device.type], rank=rank, world_size=world_size,
+                                timeout=timeout, store=store,
+                                device_id=device if device.type != "cpu" else None)
+    except (*UNREADABLE_START, RuntimeError) as err:
+        if isinstance(err, RuntimeError) and GLOO_CHECK not in str(err):
+            raise  # a timeout or a lost peer: faults says which, and a restart may mend it
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        cause = str(err).splitlines()[0][:200]
+        raise KitError(f"rank {rank} could not start its process group from what it read in the "
+                       f"launch's store at {where} ({type(err).__name__}: {cause}): the store "
+                       "accepts any connection, so another process on this node may have written "
+                       "into it; see the cluster chapter, 'What PyTorch assumes'") from err
+
+
 def setup(requested_device="auto"):
     """Start this process's part of the job: (rank, world_size, device). Every process but rank
     0 prints nothing (one log, rank 0's). A single process gets a group of one, so that the same
@@ -148,9 +176,7 @@ def setup(requested_device="auto"):
     use_device(device)  # before the group: NCCL sets up its communicator on the current device
     sys.stdout = open(os.devnull, "w") if rank else sys.stdout
     timeout = dist_timeout()
-    dist.init_process_group(BACKENDS[device.type], rank=rank, world_size=world_size,
-                            timeout=timeout, store=rendezvous_store(rank, world_size, timeout),
-                            device_id=device if device.type != "cpu" else None)
+    start_group(device, rank, world_size, timeout)
     print(f"{world_size} processes, backend {BACKENDS[device.type]}, rank 0 on {device}")
     return rank, world_size, device
 

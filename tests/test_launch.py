@@ -143,3 +143,49 @@ def test_batch_files_launch_torchrun_with_the_static_rendezvous_at_a_fresh_port(
     assert starts and all(f"{launch.PER_NODE_SHELL} torchrun" in line for line in starts)
     assert "MASTER_PORT=$(python -m coursekit free-port)" in text
     assert "SLURM_JOB_ID %" not in text  # no port another user can work out
+
+
+#: What a co-tenant writes over the addresses the processes leave for each other in the store
+GARBAGE = b"\xff" * 64
+#: The lines of a traceback that C++'s errors on such bytes end in, as gloo raises them
+RAW_FAILURE = re.compile(r"^(ValueError: basic_string|MemoryError: std::bad_alloc|RuntimeError: "
+                         r"\[enforce fail)", re.MULTILINE)
+
+
+def test_garbage_in_the_start_up_keys_stops_the_launch_in_one_line_without_a_restart(
+        builtin_data, tmp_path):
+    """Issue 47, item 11: the store takes no password, so another user can break a job's start;
+    what the processes read from it stops them with one line that says so, and the launch does
+    not start the group again into the same store. The attacker overwrites every key of the
+    launch's groups (launch_<attempt>/...) as soon as it is listed, until the job ends."""
+    command = [*launch.torchrun(2, restarts=1), str(KIT_ROOT / "solutions" / "train_gpt2_ddp.py"),
+               "--preset", "tiny", "--max-steps", "2", "--sample-tokens", "0", "--device", "cpu",
+               "--data", str(builtin_data), "--out", str(tmp_path / "run")]
+    job = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=kit_env(), cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 120
+        store = dist.TCPStore("127.0.0.1", store_port(job, deadline), is_master=False,
+                              timeout=timedelta(seconds=10), wait_for_workers=False)
+        overwritten = set()
+        while job.poll() is None and time.monotonic() < deadline:
+            try:
+                for key in store.list_keys():
+                    if key.startswith("launch_"):
+                        store.set(key, GARBAGE)
+                        overwritten.add(key)
+            except dist.DistError:  # the launcher went away
+                break
+            time.sleep(0.005)
+        output = job.communicate(timeout=120)[0]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    assert job.returncode != 0 and overwritten, output[-3000:]
+    assert re.search(r"^error: rank \d could not start its process group from what it read in "
+                     r"the launch's store at 127\.0\.0\.1:\d+ \(", output, re.MULTILINE), output
+    assert not RAW_FAILURE.search(output), output[-3000:]
+    # the second attempt stopped at once, with the first one's line
+    assert "error: not restarted, as a restart cannot mend it: rank" in output, output[-3000:]
+    assert "step 1/2" not in output
