@@ -412,9 +412,9 @@ def run_assignments(args):
 
 def run_exchange(args):
     from coursekit import course
-    path = course.create_exchange(args.path, args.group)
-    print(f"exchange {path}, behind {path.parent} (group {args.group}, mode "
-          f"{course.GATE_MODE:o}): set exchange = \"{path}\" and the course's id in course.toml")
+    path, gate_mode = course.create_exchange(args.path, args.group)
+    print(f"exchange {path}, behind {path.parent} (group {args.group}, mode {gate_mode:o}): "
+          f"set exchange = \"{path}\" and the course's id in course.toml")
 
 
 def graded_lesson(args):

@@ -74,8 +74,10 @@ def configure(c, root):
 
 def create_exchange(path, group):
     """Make the exchange ``path`` (which must not exist) inside a gate folder (its parent) that
-    belongs to ``group`` and is closed to others: the parent is made if missing, and an existing
-    parent must already be closed to others."""
+    belongs to ``group``, which may enter it but not write in it, and is closed to others: the
+    parent is made if missing, and an existing one must already be so. A member of the group who
+    could write in the gate (a project folder every trainee writes in, mode 2770) could rename the
+    exchange and put one of their own in its place. Returns (exchange, the gate's mode)."""
     path = Path(path).absolute()
     try:
         gid = grp.getgrnam(group).gr_gid
@@ -88,17 +90,18 @@ def create_exchange(path, group):
     if gate.is_dir():
         status = gate.stat()
         mode = stat.S_IMODE(status.st_mode)
-        if status.st_gid != gid or not mode & 0o010 or mode & 0o007:
+        if status.st_gid != gid or not mode & 0o010 or mode & 0o027:
             raise KitError(f"{gate} (group {group_name(status.st_gid)}, mode {mode:o}) "
-                           f"must be of group {group}, which must reach it, and closed to others: "
-                           f"chgrp {group} {gate} && chmod {GATE_MODE:o} {gate}")
+                           f"must be of group {group}, which must reach it but not write in it, "
+                           f"and closed to others: chgrp {group} {gate} && chmod {GATE_MODE:o} "
+                           f"{gate}")
     try:
         if not gate.exists():
             made(gate, gid, GATE_MODE)
         made(path, gid, EXCHANGE_MODE)
     except OSError as error:
         raise KitError(f"cannot make {error.filename}: {error.strerror}") from None
-    return path
+    return path, stat.S_IMODE(gate.stat().st_mode)
 
 
 def made(folder, gid, mode):

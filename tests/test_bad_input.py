@@ -52,8 +52,8 @@ COMMAND_CASES = [
     (["exchange", "create", "/tmp", "--group", "root"], "error: /tmp exists: the exchange is "
                                                         "made once, in a new folder"),
     (["exchange", "create", "/tmp/kit-exchange-test", "--group", "root"],
-     "error: /tmp (group root, mode 1777) must be of group root, which must reach it, and closed "
-     "to others"),
+     "error: /tmp (group root, mode 1777) must be of group root, which must reach it but not "
+     "write in it, and closed to others"),
 ]
 
 
@@ -133,3 +133,31 @@ def test_a_bad_course_toml_stops_nbgrader_in_one_line(settings, message, tmp_pat
         course.configure(object(), tmp_path)
     assert str(stopped.value).startswith(f"error: {tmp_path / 'course.toml'}: ") and \
         message in str(stopped.value) and "\n" not in str(stopped.value)
+
+
+def group_of(folder):
+    import grp
+    return grp.getgrgid(folder.stat().st_gid).gr_name
+
+
+def test_a_gate_its_group_can_write_in_is_refused_with_its_mode(tmp_path, capsys):
+    """Issue 48, item 10: a project folder every trainee writes in (2770) would let any of them
+    rename the exchange and put their own in its place."""
+    gate = tmp_path / "project"
+    gate.mkdir()
+    gate.chmod(0o2770)
+    group = group_of(gate)
+    assert cli.main(["exchange", "create", str(gate / "exchange"), "--group", group]) == 2
+    stderr = capsys.readouterr().err
+    assert stderr.startswith(f"error: {gate} (group {group}, mode 2770) must be of group {group}, "
+                             "which must reach it but not write in it") and one_line(stderr)
+    assert not (gate / "exchange").exists()
+
+
+def test_the_exchange_line_gives_the_gates_real_mode(tmp_path, capsys):
+    gate = tmp_path / "course"
+    gate.mkdir()
+    gate.chmod(0o2710)  # the group may pass through, not list: stricter than the kit's own
+    group = group_of(gate)
+    assert cli.main(["exchange", "create", str(gate / "exchange"), "--group", group]) == 0
+    assert f"behind {gate} (group {group}, mode 2710)" in capsys.readouterr().out
