@@ -491,8 +491,10 @@ def run_batchfiles(args):
                                      "their profiles")
         return 1 if problems else 0
     for site in slurm.site_names() if args.all else [args.site]:
+        for warning in slurm.profile_warnings(slurm.load_site(site)):
+            print(f"warning: {warning}", file=sys.stderr)
         written = slurm.write(site)
-        print(f"{site}: {len(written)} batch files in batchfiles/{site}/")
+        print(f"{site}: {len(written)} batch files in {KIT_ROOT / 'batchfiles' / site}/")
     return 0
 
 

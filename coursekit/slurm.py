@@ -181,6 +181,9 @@ def load_site(name, root=KIT_ROOT):
     for field, (kind, meaning) in FIELDS.items():
         if field not in profile:
             raise KitError(f"{path}: field '{field}' is missing ({meaning})")
+        if profile[field] is None and field in MAY_BE_EMPTY:  # `qos:` with nothing after it
+            profile[field] = ""
+        check_yaml_reading(path, field, profile[field])
         if field in BANDWIDTH_FIELDS:
             check_bandwidth(path, field, profile[field])
         elif not isinstance(profile[field], kind) or isinstance(profile[field], bool):
@@ -200,6 +203,51 @@ def load_site(name, root=KIT_ROOT):
     profile["topologies"] = [parse_topology(t, path, profile["gpus_per_node"])
                              for t in profile["topologies"]]
     return profile
+
+
+#: The text fields that may be left empty (YAML reads a field with nothing after it as null)
+MAY_BE_EMPTY = ("account", "qos", "gpu_request", "srun_args", "train_args", "finetune_args",
+                "resnet_args")
+
+
+def check_yaml_reading(path, field, value):
+    """Catch what YAML makes of unquoted text that looks like something else: a time of day is a
+    number of seconds to it (4:00:00 is 14400, read in base 60), and a line of shell holding ': '
+    is a mapping."""
+    if field in ("time", "max_time") and isinstance(value, int) and not isinstance(value, bool):
+        minutes, seconds = divmod(value, 60)
+        hours, minutes = divmod(minutes, 60)
+        meant = f"{hours:02d}:{minutes:02d}:{seconds:02d}"
+        raise KitError(f"{path}: field '{field}' is {value}: YAML reads an unquoted time as a "
+                       f"number of seconds; quote it: {field}: \"{meant}\"")
+    if field == "setup" and isinstance(value, list):
+        for number, line in enumerate(value, 1):
+            if isinstance(line, dict):
+                text = ", ".join(f"{key}: {item}" for key, item in line.items())
+                raise KitError(f"{path}: field 'setup', line {number} ({text}) holds ': ', which "
+                               f"YAML reads as a mapping; quote the line: - \"{text}\"")
+            if not isinstance(line, str):
+                raise KitError(f"{path}: field 'setup', line {number} is {line!r}; each line "
+                               "is one line of shell")
+
+
+def profile_warnings(profile, root=KIT_ROOT):
+    """What a profile that loads may still get wrong at the site: one line each."""
+    path = sites_dir(root) / f"{profile['name']}.yml"
+    found = [f"{path}: field '{field}' is {value!r}: fill in the placeholder, or the site will "
+             "refuse the jobs" for field, value in profile.items()
+             if isinstance(value, str) and "CHANGE_ME" in value]
+    if slurm_seconds(profile["time"]) > slurm_seconds(profile["max_time"]):
+        found.append(f"{path}: field 'time' ({profile['time']}) is longer than 'max_time' "
+                     f"({profile['max_time']}): the partition will refuse the training jobs")
+    return found
+
+
+def slurm_seconds(text):
+    """Seconds of a Slurm time limit, HH:MM:SS or D-HH:MM:SS."""
+    days, _, clock = text.rpartition("-")
+    hours, minutes, seconds = map(int, clock.split(":"))
+    return ((int(days or 0) * 24 + hours) * 60 + minutes) * 60 + seconds
 
 
 def check_bandwidth(path, field, value):

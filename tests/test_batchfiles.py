@@ -214,6 +214,73 @@ def test_a_bad_profile_gets_one_line_naming_the_field(tmp_path, edit, message):
     assert message in str(error.value) and "\n" not in str(error.value)
 
 
+def site_from_text(root, text, name="bad"):
+    """A kit root in ``root`` with the profile ``name`` written as ``text``."""
+    (root / "batchfiles" / "sites").mkdir(parents=True, exist_ok=True)
+    (root / "solutions").exists() or shutil.copytree(KIT_ROOT / "solutions", root / "solutions")
+    (root / "batchfiles" / "sites" / f"{name}.yml").write_text(text)
+    return name
+
+
+CI_TEXT = (KIT_ROOT / "batchfiles" / "sites" / "ci.yml").read_text()
+
+
+@pytest.mark.parametrize("old, new, message", [
+    ('time: "00:10:00"', "time: 4:00:00",
+     "field 'time' is 14400: YAML reads an unquoted time as a number of seconds; quote it: "
+     'time: "04:00:00"'),
+    ('max_time: "01:00:00"', "max_time: 12:00:00",
+     "field 'max_time' is 43200: YAML reads an unquoted time as a number of seconds; quote it: "
+     'max_time: "12:00:00"'),
+    ("  - source .venv/bin/activate", "  - echo step: 1",
+     "field 'setup', line 1 (echo step: 1) holds ': ', which YAML reads as a mapping; quote the "
+     'line: - "echo step: 1"'),
+    ("  - source .venv/bin/activate", "  - 42", "field 'setup', line 1 is 42; each line is one "
+                                                 "line of shell"),
+    ("partition: debug", "partition:", "field 'partition' must be a str (the partition of its GPU "
+                                       "nodes), got None"),
+], ids=["unquoted-time", "unquoted-max-time", "colon-in-setup", "number-in-setup",
+        "empty-partition"])
+def test_what_yaml_makes_of_unquoted_text_gets_one_line_with_the_fix(tmp_path, old, new, message):
+    """Issue 48, item 7: YAML reads 4:00:00 as 14,400 (base 60) and `echo a: b` as a mapping."""
+    assert old in CI_TEXT
+    site = site_from_text(tmp_path, CI_TEXT.replace(old, new))
+    with pytest.raises(KitError) as error:
+        slurm.expected_files(site, tmp_path)
+    assert str(error.value).endswith(message) and "\n" not in str(error.value), error.value
+
+
+def test_an_empty_qos_means_none(tmp_path):
+    site = site_from_text(tmp_path, CI_TEXT.replace('qos: ""', "qos:"))
+    assert slurm.load_site(site, tmp_path)["qos"] == ""
+    files = slurm.expected_files(site, tmp_path)
+    assert len(files) == 36 and "--qos" not in "".join(files.values())
+
+
+def test_placeholders_and_a_time_over_the_limit_are_warned_of_before_writing(tmp_path):
+    text = CI_TEXT.replace('account: ""', "account: CHANGE_ME").replace(
+        'time: "00:10:00"', 'time: "02:00:00"')
+    site = site_from_text(tmp_path, text)
+    path = tmp_path / "batchfiles" / "sites" / "bad.yml"
+    assert slurm.profile_warnings(slurm.load_site(site, tmp_path), tmp_path) == [
+        f"{path}: field 'account' is 'CHANGE_ME': fill in the placeholder, or the site will "
+        "refuse the jobs",
+        f"{path}: field 'time' (02:00:00) is longer than 'max_time' (01:00:00): the partition "
+        "will refuse the training jobs"]
+    assert slurm.profile_warnings(slurm.load_site("ci")) == []
+
+
+def test_the_command_line_warns_and_names_the_absolute_folder_it_wrote(tmp_path):
+    """Run from another folder, the command still writes into the kit's batchfiles/: it says
+    where, and warns of the placeholder a shipped profile keeps."""
+    result = subprocess.run([sys.executable, "-m", "coursekit", "batchfiles", "--site", "generic"],
+                            capture_output=True, text=True, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == f"generic: 36 batch files in {KIT_ROOT / 'batchfiles' / 'generic'}/\n"
+    assert result.stderr.startswith("warning: ") and "field 'account' is 'CHANGE_ME'" in \
+        result.stderr and result.stderr.count("\n") == 1
+
+
 def test_a_site_name_that_is_a_path_is_refused_before_anything_is_written(tmp_path):
     """A profile outside batchfiles/sites/, named by a relative path, would write (and delete)
     batch files outside batchfiles/."""
