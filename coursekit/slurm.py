@@ -66,6 +66,9 @@ FIELDS = {
     "env": (dict, "variables every job exports"),
     "launcher": (str, f"how the DDP-style stages start: one of {', '.join(LAUNCHERS)}"),
     "srun_args": (str, "extra srun options for training steps (CPU binding, ...)"),
+    "master_addr": (str, "the rendezvous host as the other nodes reach it: {host} (the "
+                         "allocation's first node), or a name made from it, such as {host}i "
+                         "for JURECA-DC's InfiniBand names"),
     "preset": (str, "the stage scripts' --preset"),
     "data": (str, "the prepared data directory, relative to the kit's root"),
     "data_command": (str, "the command that prepares it"),
@@ -104,6 +107,8 @@ TEXT_FIELDS = {
     "gpu_request": (re.compile(r"(--[a-z-]+=[A-Za-z0-9_:.,-]*\{gpus\}[A-Za-z0-9_:.,-]*)?"),
                     "one --option=value with {gpus} in the value, or empty"),
     "data": DATA_PATH, "images": DATA_PATH,
+    "master_addr": (re.compile(r"[A-Za-z0-9_.-]*\{host\}[A-Za-z0-9_.-]*"),
+                    "a host name with {host} in it, such as {host} or {host}i"),
     "srun_args": SHELL_WORDS, "train_args": SHELL_WORDS, "finetune_args": SHELL_WORDS,
     "hpo_args": SHELL_WORDS, "data_command": SHELL_WORDS, "images_command": SHELL_WORDS,
     "resnet_args": SHELL_WORDS,
@@ -530,7 +535,7 @@ def training_job(stage, topology, profile):
               *gpu_monitor(profile, run_dir),
               "# rendezvous: the allocation's first host (where this shell runs), on a port free",
               "# there now, not one derived from the job id, which another user could take first",
-              'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+              master_addr_line(profile),
               "MASTER_PORT=$(python -m coursekit free-port)",
               "export MASTER_ADDR MASTER_PORT",
               'echo "job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST, '
@@ -681,6 +686,8 @@ def hpo_job(profile, topology):
     threads = ("$SLURM_CPUS_PER_TASK" if topology.gpus == 1
                else f"$((SLURM_CPUS_PER_TASK / {topology.gpus}))")  # a trial's G processes a node
     lines += [*job_preamble(profile, threads),
+              *(["# a trial's processes meet at the allocation's first host, where this shell runs",
+                 master_addr_line(profile), "export MASTER_ADDR"] if topology.nodes > 1 else []),
               'echo "array task $SLURM_ARRAY_TASK_ID: job $SLURM_JOB_ID (restart '
               '${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST"',
               "",
@@ -701,6 +708,15 @@ def hpo_job(profile, topology):
     return "\n".join(lines) + "\n"
 
 
+#: The allocation's first host, where the batch script runs, as Slurm names it
+FIRST_HOST = '$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)'
+
+
+def master_addr_line(profile):
+    """MASTER_ADDR: the first host, or the name the profile makes from it (its InfiniBand one)."""
+    return f"MASTER_ADDR={profile['master_addr'].replace('{host}', FIRST_HOST)}"
+
+
 def selftest_job(profile, topology):
     """`python -m coursekit selftest` on every GPU of one node, or of two."""
     site = profile["name"]
@@ -716,7 +732,7 @@ def selftest_job(profile, topology):
                else f"$((SLURM_CPUS_PER_TASK / {topology.gpus}))")
     lines += [*job_preamble(profile, threads),
               "# runs on several nodes meet at the allocation's first host, where this shell runs",
-              'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+              master_addr_line(profile),
               "export MASTER_ADDR",
               f"python -m coursekit selftest --nodes {topology.nodes} --per-node {topology.gpus} "
               f"--preset {profile['preset']} --data {profile['data']} --out {out} "

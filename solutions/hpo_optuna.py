@@ -156,9 +156,11 @@ def trainer_command(args, hyperparameters, run_dir):
     if args.nodes == 1:
         return [*launch.torchrun(args.nproc_per_node), *script]
     # one torchrun per node, the rendezvous on the allocation's first host, where this worker
-    # runs, at a port free there (coursekit.launch: why the static rendezvous, not c10d)
-    first = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
-                           capture_output=True, text=True, check=True).stdout.split()[0]
+    # runs, at a port free there (coursekit.launch: why the static rendezvous, not c10d), by the
+    # name the batch file gives it (MASTER_ADDR: the site's InfiniBand name, say) or Slurm's
+    first = os.environ.get("MASTER_ADDR") or subprocess.run(
+        ["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+        capture_output=True, text=True, check=True).stdout.split()[0]
     return ["srun", *args.srun_args.split(), f"--nodes={args.nodes}", "--ntasks-per-node=1",
             *launch.PER_NODE, *launch.torchrun(args.nproc_per_node, args.nodes, first), *script]
 

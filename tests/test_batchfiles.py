@@ -196,12 +196,14 @@ def test_the_lora_stage_starts_one_accelerate_launch_per_node():
     (lambda p: p.update(srun_args="--cpu-bind=none' --x='"), "field 'srun_args' is \"--cpu-bind=none' --x='\""),
     (lambda p: p.update(hpo_args='--train-args "--eval-steps 2'), "its quotes do not pair up"),
     (lambda p: p.update(setup=["source .venv/bin/activate\nid"]), "field 'setup' is"),
+    (lambda p: p.update(master_addr="$(id)"), "field 'master_addr' is '$(id)'; it may hold a "
+                                              "host name with {host} in it"),
     (lambda p: p["env"].update(NCCL_SOCKET_IFNAME="ib0"),
      "env sets NCCL_SOCKET_IFNAME but not GLOO_SOCKET_IFNAME; set both"),
 ], ids=["missing", "type", "vendor", "launcher", "topology", "too-many-gpus", "unknown", "preset",
         "newline-description", "command-account", "newline-time", "quote-env", "env-name",
         "quote-finetune-args", "quote-srun-args", "unpaired-quote", "newline-setup",
-        "nccl-without-gloo"])
+        "command-master-addr", "nccl-without-gloo"])
 def test_a_bad_profile_gets_one_line_naming_the_field(tmp_path, edit, message):
     import yaml
     (tmp_path / "batchfiles" / "sites").mkdir(parents=True)
@@ -279,6 +281,30 @@ def test_the_command_line_warns_and_names_the_absolute_folder_it_wrote(tmp_path)
     assert result.stdout == f"generic: 36 batch files in {KIT_ROOT / 'batchfiles' / 'generic'}/\n"
     assert result.stderr.startswith("warning: ") and "field 'account' is 'CHANGE_ME'" in \
         result.stderr and result.stderr.count("\n") == 1
+
+
+def test_the_rendezvous_host_is_the_name_the_profile_makes_from_the_first_node(tmp_path):
+    """Issue 48, item 9: JURECA-DC's nodes reach each other under their InfiniBand names, the
+    node name and an `i`. The lines the batch files run give it, with Slurm's scontrol answering
+    for a 2-node allocation."""
+    site = site_from_text(tmp_path, CI_TEXT.replace('master_addr: "{host}"',
+                                                    'master_addr: "{host}i"'))
+    files = slurm.expected_files(site, tmp_path)
+    scontrol = tmp_path / "bin" / "scontrol"
+    scontrol.parent.mkdir()
+    scontrol.write_text('#!/bin/sh\n[ "$1 $2 $3" = "show hostnames gpu[07-08]" ] && printf "gpu07\\ngpu08\\n"\n')
+    scontrol.chmod(0o755)
+    for name in ("batch-ddp-2n2g.sh", "batch-lora-2n2g.sh", "batch-selftest-2n2g.sh",
+                 "batch-hpo-2n2g.sh"):
+        text = files[f"batchfiles/{site}/{name}"]
+        lines = [line for line in text.splitlines() if line.startswith("MASTER_ADDR=")]
+        assert len(lines) == 1, name
+        allocation = {"SLURM_JOB_NODELIST": "gpu[07-08]",
+                      "PATH": f"{scontrol.parent}:{os.environ['PATH']}"}
+        shell = subprocess.run(["bash", "-c", f'{lines[0]}; echo "$MASTER_ADDR"'], text=True,
+                               capture_output=True, env={**os.environ, **allocation})
+        assert shell.stdout == "gpu07i\n", (name, shell.stderr)
+        assert "export MASTER_ADDR" in text
 
 
 def test_a_site_name_that_is_a_path_is_refused_before_anything_is_written(tmp_path):

@@ -32,6 +32,9 @@ eval "$compile_caches"
 # https://slurm.schedmd.com/srun.html#OPT_SRUN_CPUS_PER_TASK)
 export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
 export OMP_NUM_THREADS=$((SLURM_CPUS_PER_TASK / 4))  # the CPU cores each process was given
+# a trial's processes meet at the allocation's first host, where this shell runs
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+export MASTER_ADDR
 echo "array task $SLURM_ARRAY_TASK_ID: job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}) on $SLURM_JOB_NODELIST"
 
 # Slurm sends SIGUSR1 to this shell before the time limit: the worker stops its trial
