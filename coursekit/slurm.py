@@ -494,6 +494,10 @@ def accelerate_command(srun, profile, topology, run_dir):
     return SINGLE_QUOTED_NOTE + " \\\n    ".join(launch + args) + "'"
 
 
+#: Where `make` builds DeepSpeed's op (the Makefile's TORCH_EXTENSIONS_DIR), from the kit's root
+TORCH_EXTENSIONS = ".cache/torch_extensions"
+
+
 def finetune_environment(topology):
     """What the lora stage's job exports: its Accelerate config, offline hub access."""
     config = "single" if topology.processes == 1 else "ddp"
@@ -504,6 +508,9 @@ def finetune_environment(topology):
             "# filled beforehand on a login node (README: Using the kit on a cluster)",
             "export HF_HUB_OFFLINE=1",
             "export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
+            "# DeepSpeed's CPU op (the ZeRO configs), built once by make into the kit's cache:",
+            "# not again on GPU time into ~/.cache/torch_extensions",
+            f'export TORCH_EXTENSIONS_DIR="$PWD/{TORCH_EXTENSIONS}"',
             ""]
 
 

@@ -307,6 +307,17 @@ def test_the_rendezvous_host_is_the_name_the_profile_makes_from_the_first_node(t
         assert "export MASTER_ADDR" in text
 
 
+def test_zero_jobs_use_the_deepspeed_op_make_built(tmp_path):
+    """Issue 48, item 8: without the Makefile's TORCH_EXTENSIONS_DIR, a ZeRO job compiled
+    DeepSpeed's op again, on GPU time, into ~/.cache/torch_extensions."""
+    makefile = (KIT_ROOT / "Makefile").read_text()
+    built_in = re.search(r"^export TORCH_EXTENSIONS_DIR := \$\(CURDIR\)/(\S+)$", makefile, re.M)[1]
+    lora_jobs = list(KIT_ROOT.glob("batchfiles/*/batch-lora-*.sh"))
+    assert len(lora_jobs) >= len(slurm.site_names()) * 2
+    for job in lora_jobs:
+        assert f'export TORCH_EXTENSIONS_DIR="$PWD/{built_in}"' in job.read_text(), job
+
+
 def test_a_site_name_that_is_a_path_is_refused_before_anything_is_written(tmp_path):
     """A profile outside batchfiles/sites/, named by a relative path, would write (and delete)
     batch files outside batchfiles/."""

@@ -50,6 +50,9 @@ export ACCELERATE_CONFIG="${ACCELERATE_CONFIG:-solutions/accelerate/single.yaml}
 # filled beforehand on a login node (README: Using the kit on a cluster)
 export HF_HUB_OFFLINE=1
 export PET_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1
+# DeepSpeed's CPU op (the ZeRO configs), built once by make into the kit's cache:
+# not again on GPU time into ~/.cache/torch_extensions
+export TORCH_EXTENSIONS_DIR="$PWD/.cache/torch_extensions"
 
 # Slurm sends SIGUSR1 to this shell before the time limit: pass it on to the training
 # processes (every step of the job), let them checkpoint and exit, then requeue.
