@@ -836,12 +836,24 @@ def expected_files(site, root=KIT_ROOT):
                 training_job(stage, topology, profile)
     for topology in hpo_topologies(profile):
         files[f"batchfiles/{site}/batch-hpo-{topology.name}.sh"] = hpo_job(profile, topology)
-    for nodes in (1, 2):
-        topology = Topology(nodes, profile["gpus_per_node"])
+    for topology in widest_topologies(profile):
         files[f"batchfiles/{site}/batch-selftest-{topology.name}.sh"] = \
             selftest_job(profile, topology)
         files[f"batchfiles/{site}/batch-ray-{topology.name}.sh"] = ray_job(profile, topology)
     return files
+
+
+def widest_topologies(profile):
+    """The self-test's and Ray's shapes: of the profile's topologies, the one with the most GPUs
+    on one node, and the one with the most across nodes (the fewest nodes of equals), if any.
+    Never a shape the profile does not list: a site may cap the GPUs of a job below two whole
+    nodes' (CSC's Roihu: 4 GPUs a node, 4 a job in gpumedium)."""
+    widest = []
+    for across_nodes in (False, True):
+        shapes = [t for t in profile["topologies"] if (t.nodes > 1) == across_nodes]
+        if shapes:
+            widest.append(max(shapes, key=lambda t: (t.processes, -t.nodes)))
+    return widest
 
 
 def write(site, root=KIT_ROOT):

@@ -307,6 +307,26 @@ def test_the_rendezvous_host_is_the_name_the_profile_makes_from_the_first_node(t
         assert "export MASTER_ADDR" in text
 
 
+GENERIC_TEXT = (KIT_ROOT / "batchfiles" / "sites" / "generic.yml").read_text()
+
+
+def test_no_job_asks_for_more_gpus_than_the_widest_topology(tmp_path):
+    """Issue 48, item 1: a site whose partition gives a job at most 4 GPUs (CSC's Roihu: 4 GH200
+    a node) lists 2n2g, not 2n4g; the self-test and Ray jobs, which asked for two whole nodes,
+    take the profile's shapes like the others."""
+    capped = GENERIC_TEXT.replace("topologies: [1n1g, 1n2g, 1n4g, 2n4g]",
+                                  "topologies: [1n1g, 1n2g, 1n4g, 2n2g]")
+    assert capped != GENERIC_TEXT
+    files = slurm.expected_files(site_from_text(tmp_path, capped, "capped"), tmp_path)
+    names = {name.split("/")[-1] for name in files}
+    assert {"batch-selftest-1n4g.sh", "batch-selftest-2n2g.sh", "batch-ray-1n4g.sh",
+            "batch-ray-2n2g.sh"} <= names
+    for name, text in files.items():
+        nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", text, re.M)[1])
+        gpus = re.search(r"^#SBATCH --gpus-per-node=(\d+)$", text, re.M)
+        assert nodes * int(gpus[1] if gpus else 0) <= 4, name
+
+
 def test_zero_jobs_use_the_deepspeed_op_make_built(tmp_path):
     """Issue 48, item 8: without the Makefile's TORCH_EXTENSIONS_DIR, a ZeRO job compiled
     DeepSpeed's op again, on GPU time, into ~/.cache/torch_extensions."""
