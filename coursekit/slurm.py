@@ -8,10 +8,11 @@
     batchfiles/<site>/batch-hpo-2n<G>g.sh         the same, each trial a DDP run on 2 nodes x G
     batchfiles/<site>/batch-selftest-<N>n<G>g.sh  coursekit selftest on 1 or 2 whole nodes
 
-How the stages start (DESIGN.md section 6):
+How the stages start:
     std   one process:                    srun python train_gpt2_std.py
     lit   one task per GPU, Lightning     srun python train_gpt2_lit.py --devices G --num-nodes N
-    other launcher torchrun (the default): one torchrun per node, srun torchrun --nnodes N
+    other launcher torchrun (the default): one torchrun per node, srun python -m
+          torch.distributed.run --nnodes N
           --nproc-per-node G, static rendezvous (node rank from Slurm) on the allocation's first
           host, at a port free there when the job starts;
           launcher srun: one task per GPU, srun python, so that Slurm binds each task to the
@@ -432,8 +433,8 @@ def launch_command(stage, profile, topology, run_dir):
     else:  # torchrun passes SIGUSR1 on to its workers: they checkpoint and exit
         options = launch.torchrun_options(topology.gpus, topology.nodes, '"$MASTER_ADDR"',
                                           '"$MASTER_PORT"', launch.BATCH_RESTARTS)
-        launcher = [RESTARTS_NOTE + SINGLE_QUOTED_NOTE
-                    + f"{srun} {launch.PER_NODE_SHELL} torchrun",
+        launcher = [RESTARTS_NOTE + SINGLE_QUOTED_NOTE + TORCHRUN_NOTE
+                    + f"{srun} {launch.PER_NODE_SHELL} {TORCHRUN}",
                     " ".join(options[:-2]), " ".join(options[-2:])]
     script, extra = training_arguments(stage, profile, topology, run_dir)
     # a GPU site names its device: a torch without GPU support then fails at once, rather than
@@ -468,6 +469,12 @@ def loader_workers(profile):
     runs the training loop, at most MAX_LOADER_WORKERS."""
     return min(profile["cpus_per_gpu"] - 1, MAX_LOADER_WORKERS)
 
+
+#: torchrun, started by the job's own Python: the `torchrun` on PATH may be a site module's, whose
+#: processes would run that module's Python without the course's environment (import coursekit
+#: fails); `python -m torch.distributed.run` is the same program.
+TORCHRUN = "python -m torch.distributed.run"
+TORCHRUN_NOTE = "# torchrun, as the course environment's Python runs it\n"
 
 #: Above a torchrun launch: what --max-restarts does.
 RESTARTS_NOTE = ("# a process that crashes restarts the group, which resumes from the last "

@@ -150,7 +150,7 @@ def test_the_srun_launcher_starts_one_bound_task_per_gpu():
     lumi = (KIT_ROOT / "batchfiles" / "lumi" / "batch-ddp-2n8g.sh").read_text()
     assert "#SBATCH --ntasks-per-node=8\n#SBATCH --cpus-per-task=7\n" in lumi
     assert "srun --kill-on-bad-exit=1 --cpu-bind=mask_cpu:0x00fe000000000000," in lumi
-    assert "torchrun" not in lumi
+    assert "torch.distributed.run" not in lumi
     assert "export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK " in lumi
 
 
@@ -158,9 +158,32 @@ def test_the_torchrun_launcher_starts_one_task_per_node_with_all_its_gpus():
     leonardo = (KIT_ROOT / "batchfiles" / "leonardo" / "batch-ddp-2n4g.sh").read_text()
     assert "#SBATCH --ntasks-per-node=1\n#SBATCH --cpus-per-task=32\n#SBATCH --gres=gpu:4\n" in leonardo
     assert ("""srun --kill-on-bad-exit=1 bash -c 'PET_NODE_RANK="$SLURM_NODEID" exec "$@"' """
-            """per-node torchrun \\\n    --nnodes=2 --nproc-per-node=4 --master-addr="$MASTER_ADDR" """
+            """per-node python -m torch.distributed.run \\\n    --nnodes=2 --nproc-per-node=4 --master-addr="$MASTER_ADDR" """
             '--master-port="$MASTER_PORT" \\\n    --max-restarts=2 ') in leonardo
     assert "export OMP_NUM_THREADS=$((SLURM_CPUS_PER_TASK / 4)) " in leonardo
+
+
+def test_every_launch_runs_the_course_environments_python(tmp_path):
+    """Issue 48, item 4: a site module's `torchrun` on PATH would start that module's Python,
+    without the course's environment. With the venv's python first on PATH, as the batch files'
+    setup puts it, and a `torchrun` of another Python after it, each job's launch line starts
+    the venv's: a stand-in python records which program ran."""
+    venv, module = tmp_path / "venv" / "bin", tmp_path / "module" / "bin"
+    for folder, name in ((venv, "python"), (module, "torchrun"), (module, "python")):
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_text(f'#!/bin/sh\necho "{folder / name}"\n')
+        (folder / name).chmod(0o755)
+    launches = 0
+    for path in KIT_ROOT.glob("batchfiles/*/batch-*.sh"):
+        for line in commands(path.read_text()):
+            if "torch.distributed.run" not in line and " torchrun " not in f"{line} ":
+                continue
+            launches += 1
+            command = line.split("per-node ", 1)[1].rstrip(" &")
+            ran = subprocess.run(["bash", "-c", command], capture_output=True, text=True,
+                                 env={**os.environ, "PATH": f"{venv}:{module}:/usr/bin:/bin"})
+            assert ran.stdout == f"{venv / 'python'}\n", (path, command, ran.stderr)
+    assert launches >= 5 * (len(slurm.site_names()) - 1)  # ddp, fsdp, tp, pp, resnet; lumi: srun
 
 
 def test_the_lora_stage_starts_one_accelerate_launch_per_node():

@@ -138,9 +138,11 @@ def test_no_text_the_kit_ships_launches_a_pickling_rendezvous():
 
 def test_batch_files_launch_torchrun_with_the_static_rendezvous_at_a_fresh_port():
     text = "\n".join(path.read_text() for path in (KIT_ROOT / "batchfiles").glob("*/batch-*.sh"))
-    assert "torchrun" in text and "rdzv" not in text and "--standalone" not in text
-    starts = [line for line in text.splitlines() if " torchrun " in f"{line} "]
-    assert starts and all(f"{launch.PER_NODE_SHELL} torchrun" in line for line in starts)
+    assert "torch.distributed.run" in text and "rdzv" not in text and "--standalone" not in text
+    starts = [line for line in text.splitlines()
+              if " torchrun " in f"{line} " or "torch.distributed.run" in line]
+    assert starts and all(f"{launch.PER_NODE_SHELL} python -m torch.distributed.run" in line
+                          for line in starts)
     assert "MASTER_PORT=$(python -m coursekit free-port)" in text
     assert "SLURM_JOB_ID %" not in text  # no port another user can work out
 

@@ -40,7 +40,8 @@ trap 'preempted=1; scancel --signal=USR1 "$SLURM_JOB_ID"' USR1
 # 2 times in this job (--max-restarts); a crash after that fails the job, its checkpoint kept.
 # An error a restart cannot mend (a bad value, out of memory) fails it at once
 # shellcheck disable=SC2016  # each node's shell expands them, not this one
-srun --kill-on-bad-exit=1 bash -c 'PET_NODE_RANK="$SLURM_NODEID" exec "$@"' per-node torchrun \
+# torchrun, as the course environment's Python runs it
+srun --kill-on-bad-exit=1 bash -c 'PET_NODE_RANK="$SLURM_NODEID" exec "$@"' per-node python -m torch.distributed.run \
     --nnodes=1 --nproc-per-node=2 --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
     --max-restarts=2 --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 \
     solutions/train_gpt2_fsdp.py --preset tiny --data data/builtin --out runs/ci-fsdp-1n2g --resume \

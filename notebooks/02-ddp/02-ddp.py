@@ -534,7 +534,7 @@ print(f"the sqrt-scaled learning rate wins back {won_back:.0%} of the large batc
 #
 # ```bash
 # srun python solutions/train_gpt2_ddp.py                # reads SLURM_PROCID / NTASKS / LOCALID
-# srun bash -c 'PET_NODE_RANK="$SLURM_NODEID" exec "$@"' per-node torchrun \
+# srun bash -c 'PET_NODE_RANK="$SLURM_NODEID" exec "$@"' per-node python -m torch.distributed.run \
 #      --nnodes=$SLURM_NNODES --nproc-per-node=4 --master-addr=$MASTER_ADDR \
 #      --master-port=$MASTER_PORT solutions/train_gpt2_ddp.py
 # ```
