@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from coursekit import KIT_ROOT, KitError
+from coursekit import KIT_ROOT, KitError, course
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -155,16 +155,29 @@ def build_parser():
 
     commands.add_parser("presets", help="list the presets")
 
-    assignments = commands.add_parser("assignments", help="nbgrader student versions of the lessons")
+    assignments = commands.add_parser(
+        "assignments", help="nbgrader student versions of the lessons",
+        description="Generate every lesson's student version with nbgrader into release/<lesson>/ "
+                    "and record its graded cells (ids, points) in the course's gradebook "
+                    "(gradebook.db), which autograde grades against. Run it before the class "
+                    "fetches: generating a lesson again after that replaces those records, so "
+                    "change a released lesson only to fix a mistake, and tell the class.")
     assignments.add_argument("--root", default=None, help="course root (default: the kit's checkout)")
 
     exchange = commands.add_parser("exchange", help="nbgrader's exchange for a class, made once "
                                    "on shared project space")
-    exchange.add_argument("action", choices=["create"])
-    exchange.add_argument("path", help="the exchange folder to make (course.toml's exchange); "
-                                       "its parent is the gate, closed to others")
-    exchange.add_argument("--group", required=True,
-                          help="the course's Unix group: you and every trainee")
+    exchange_actions = exchange.add_subparsers(dest="action", required=True, metavar="ACTION")
+    create = exchange_actions.add_parser(
+        "create", help="make the exchange folder",
+        description="Make nbgrader's exchange folder PATH for a class: it belongs to the course's "
+                    f"group, mode {course.EXCHANGE_MODE:o} (every member may drop files in, and "
+                    "nobody may rename or delete another's). Its parent is the gate: of the "
+                    f"group, mode {course.GATE_MODE:o}, closed to other users, made if missing; "
+                    "an existing one the group could write in is refused. Then set exchange = "
+                    "\"PATH\" and the course's id in course.toml.")
+    create.add_argument("path", help="the exchange folder to make (course.toml's exchange)")
+    create.add_argument("--group", required=True,
+                        help="the course's Unix group: you and every trainee")
 
     for name, purpose in (("autograde", "nbgrader autograde of a lesson's submissions, a line "
                                         "for each it could not grade, then the class summary"),
@@ -264,11 +277,20 @@ def build_parser():
     server.add_argument("--port", type=tcp_port, help="TCP port (default: one free now)")
     server.add_argument("--state", default="runs/mlflow-server",
                         help="the password and user database, kept private (default %(default)s)")
-    selftest = commands.add_parser("selftest", help="every stage on one device and on all, "
-                                   "bandwidth, offline files: a report for a new cluster")
+    selftest = commands.add_parser(
+        "selftest", help="every stage on one device and on all, bandwidth, offline files: a "
+                         "report for a new cluster",
+        description="Prove a node (or, under Slurm, --nodes nodes) ready for the course: train "
+                    "every GPT stage for --steps steps on one device and on all of them at the "
+                    "same global batch, check their losses against the single-device stage, "
+                    "report tokens/s, MFU and memory against the prediction, measure the "
+                    "all-reduce bus bandwidth, and check offline the lessons' imports, data, "
+                    "tokenizer and Hugging Face cache. Writes selftest.json and selftest.md into "
+                    "--out and ends with one line naming the first failure, if any.")
     selftest.add_argument("--out", default="runs/selftest", help="where selftest.json and "
                                                                  "selftest.md go (default %(default)s)")
-    selftest.add_argument("--steps", type=positive_int, default=20, help="steps of each run")
+    selftest.add_argument("--steps", type=positive_int, default=20,
+                          help="steps of each run (default %(default)s)")
     selftest.add_argument("--preset", choices=["tiny", "small", "gpt2-124m"],
                           help="the model (default: gpt2-124m on a GPU, tiny on a CPU)")
     selftest.add_argument("--micro-batch", type=positive_int,
@@ -411,7 +433,6 @@ def run_assignments(args):
 
 
 def run_exchange(args):
-    from coursekit import course
     path, gate_mode = course.create_exchange(args.path, args.group)
     print(f"exchange {path}, behind {path.parent} (group {args.group}, mode {gate_mode:o}): "
           f"set exchange = \"{path}\" and the course's id in course.toml")

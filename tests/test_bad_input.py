@@ -161,3 +161,19 @@ def test_the_exchange_line_gives_the_gates_real_mode(tmp_path, capsys):
     group = group_of(gate)
     assert cli.main(["exchange", "create", str(gate / "exchange"), "--group", group]) == 0
     assert f"behind {gate} (group {group}, mode 2710)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command, says", [
+    (["selftest"], ["Prove a node", "selftest.json and selftest.md", "steps of each run (default "
+                                                                      "20)"]),
+    (["assignments"], ["release/<lesson>/", "gradebook.db", "generating a lesson again after "
+                                                            "that replaces those records"]),
+    (["exchange", "create"], ["usage: python -m coursekit exchange create", "course.toml",
+                              "mode 1777", "mode 2750"]),
+], ids=["selftest", "assignments", "exchange create"])
+def test_help_says_what_a_command_writes_and_its_defaults(command, says, capsys):
+    """Issue 48, item 11: an instructor learns a command from its --help."""
+    with pytest.raises(SystemExit):
+        cli.main([*command, "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert all(" ".join(text.split()) in shown for text in says), shown
