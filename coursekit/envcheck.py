@@ -15,6 +15,11 @@ import torch
 from coursekit import KIT_ROOT, data, distributed
 
 SLURM_COMMANDS = ("sbatch", "srun", "squeue", "sinfo", "scontrol")
+#: Launchers a trainee may type, which start their own Python: a site module's on PATH, before or
+#: instead of the course environment's, runs workers that cannot import the kit. {name: the same
+#: program, started by this Python}
+LAUNCHERS = {"torchrun": "python -m torch.distributed.run",
+             "accelerate": "python -m accelerate.commands.accelerate_cli"}
 
 
 def devices():
@@ -115,6 +120,23 @@ def usable_cpu_cores():
         return os.cpu_count()
 
 
+def launcher_python(name):
+    """(where ``name`` is on PATH, the Python it starts: its #! line), or None if not found."""
+    path = shutil.which(name)
+    if path is None:
+        return None
+    with open(path, "rb") as script:
+        first = script.readline().decode(errors="replace").strip()
+    return path, first.removeprefix("#!").split()[0] if first.startswith("#!") else None
+
+
+def files_and_bytes_free(folder):
+    """(files, bytes) that may still be created on the file system of ``folder`` (a quota, where
+    the site sets one per user, may allow fewer: `quota -s` or the centre's own tool says)."""
+    status = os.statvfs(folder)
+    return status.f_favail, status.f_bavail * status.f_frsize
+
+
 def prepared_data(root=None):
     """{directory: meta.json contents} of every prepared data directory under ./data and the kit's data/."""
     roots = [Path(root)] if root else [Path.cwd(), KIT_ROOT]
@@ -146,6 +168,10 @@ def collect(root=None):
         "data": prepared_data(root),
         "tokenizer_offline": data.tokenizer_available_offline(),
         "tokenizer_cache": str(data.tiktoken_cache_dir()),
+        "launchers": {name: launcher_python(name) for name in LAUNCHERS},
+        "hf_home": os.environ.get("HF_HOME", str(Path.home() / ".cache" / "huggingface")),
+        "hf_offline": os.environ.get("HF_HUB_OFFLINE", "") not in ("", "0"),
+        "free_here": files_and_bytes_free(KIT_ROOT),
     }
 
 
@@ -189,4 +215,22 @@ def report(info):
         lines.append(f"prepared data     none under ./data or the kit's data/ (run `{data.prepare_command('data/builtin')}`)")
     lines.append(f"gpt-2 tokenizer   offline: {yes_no[info['tokenizer_offline']]} "
                  f"({info['tokenizer_cache']})")
+    lines += [launcher_line(name, found) for name, found in info["launchers"].items()]
+    lines.append(f"hugging face      cache {info['hf_home']} (HF_HOME); offline: "
+                 f"{yes_no[info['hf_offline']]} (HF_HUB_OFFLINE)")
+    files, free = info["free_here"]
+    lines.append(f"kit's disk        {free / 1e9:,.1f} GB and {files:,} files free on its file "
+                 "system; a per-user quota may allow less: `quota -s` or your centre's tool")
     return "\n".join(lines)
+
+
+def launcher_line(name, found):
+    """Whether the ``name`` on PATH runs this Python, which has the course's environment."""
+    if found is None:
+        return f"{name:<18}not on PATH"
+    path, python = found
+    if python == sys.executable:
+        return f"{name:<18}{path}: this Python's"
+    return (f"{name:<18}{path}: PROBLEM: it runs {python or 'no Python named in its #! line'}, "
+            f"not this one ({sys.executable}), whose packages its processes would not see: "
+            f"use {LAUNCHERS[name]}")

@@ -3,6 +3,7 @@ metadata, coreutils' nproc, the NVIDIA driver, a PATH the test lays out, tiktoke
 import json
 import os
 import platform
+import re
 import shutil
 import stat
 import subprocess
@@ -72,6 +73,37 @@ def test_slurm_commands_are_those_on_the_path(tmp_path, monkeypatch):
     assert info["slurm_commands"] == {"sbatch": True, "srun": False, "squeue": True,
                                       "sinfo": False, "scontrol": False}
     assert "slurm commands    sbatch, squeue (inside job 4242)" in envcheck.report(info)
+
+
+def test_a_launcher_of_another_python_on_the_path_is_a_problem(tmp_path, monkeypatch):
+    """Issue 48, item 11: a site module's torchrun first on PATH starts that module's Python,
+    whose workers cannot import the kit; the course environment's own is fine."""
+    module, venv = tmp_path / "module", tmp_path / "venv"
+    for folder, python in ((module, "/appl/pytorch/2.6/bin/python3"), (venv, sys.executable)):
+        folder.mkdir()
+        for name in envcheck.LAUNCHERS:
+            (folder / name).write_text(f"#!{python}\nimport sys\n")
+            (folder / name).chmod(stat.S_IRWXU)
+    monkeypatch.setenv("PATH", f"{module}:{venv}")
+    report = envcheck.report(envcheck.collect(root=tmp_path))
+    assert (f"torchrun          {module}/torchrun: PROBLEM: it runs /appl/pytorch/2.6/bin/python3, "
+            f"not this one ({sys.executable})") in report
+    assert "use python -m torch.distributed.run" in report
+    monkeypatch.setenv("PATH", f"{venv}:{module}")
+    report = envcheck.report(envcheck.collect(root=tmp_path))
+    assert f"accelerate        {venv}/accelerate: this Python's" in report
+    assert "PROBLEM" not in report.split("gpt-2 tokenizer")[1]
+
+
+def test_the_hugging_face_cache_and_the_disk_are_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    info = envcheck.collect(root=tmp_path)
+    files, free = info["free_here"]
+    assert files > 0 and free > 0
+    report = envcheck.report(info)
+    assert f"hugging face      cache {tmp_path / 'hf'} (HF_HOME); offline: yes" in report
+    assert re.search(r"^kit's disk        [\d,.]+ GB and [\d,]+ files free", report, re.M)
 
 
 def tiktoken_loads_offline(cache_dir):
