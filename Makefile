@@ -3,6 +3,7 @@
 #   make book        execute the lessons and build the HTML book (the main job)
 #   make book-instructor   the same book with the exercises' solutions and hidden tests
 #   make test        the whole test suite          make test-fast   unit + diff tests (< 2 min)
+#   make setup-site  on a cluster: the environment on top of the site's PyTorch (load it first)
 #   make lab         JupyterLab with the course kernel on 127.0.0.1
 #   make assignments nbgrader student versions of every lesson into release/
 #   make trainee-kit what trainees clone: the kit with student versions, no answers
@@ -13,7 +14,11 @@ VENV := .venv
 BIN := $(VENV)/bin
 INSTALLED := $(VENV)/.installed
 CORE := $(VENV)/.core
-CORE_PACKAGES := torch numpy tiktoken tqdm safetensors
+# After `make setup-site`, the site's torch as a pip constraint (torch==<its version>): every
+# install keeps it, and none installs the pinned one
+SITE_TORCH := $(wildcard $(VENV)/.site-torch)
+REQUIREMENTS := $(if $(SITE_TORCH),<(grep -v '^torch==' requirements.txt) -c $(SITE_TORCH),requirements.txt)
+CORE_PACKAGES := $(if $(SITE_TORCH),,torch) numpy tiktoken tqdm safetensors
 # pip itself, pinned like everything else it installs
 PIP := pip==26.3
 # tiktoken reads the GPT-2 vocabulary from here, so nothing is downloaded at run time.
@@ -44,9 +49,23 @@ NPM_PACK := npm pack --silent
 # Two jobs at once: the set-up's steps that do not depend on each other run side by side.
 MAKEFLAGS += --jobs=2
 
-.PHONY: setup book book-instructor test test-fast lab assignments trainee-kit clean
+.PHONY: setup setup-site book book-instructor test test-fast lab assignments trainee-kit clean
 
 setup: $(INSTALLED) $(TOKENIZER)
+
+# The course environment on a cluster, on top of the site's PyTorch (its CUDA or ROCm build: load
+# its module, or activate its conda env, first; PYTHON is the python3 that has it): a venv that
+# sees the site's packages, and `make setup` in it, which then installs everything else at the
+# pinned versions and keeps the site's torch (SITE_TORCH): pip keeps it or stops, never replaces
+# it. Last, a check that the venv's torch is the site's, and what it sees.
+setup-site:
+	@test ! -e $(VENV) || { echo "error: $(VENV) exists: remove it (rm -rf $(VENV)) to build it on the site's PyTorch" >&2; exit 2; }
+	@$(PYTHON) -c "import torch" 2>/dev/null || { echo "error: $$(command -v $(PYTHON)) has no torch: load the site's PyTorch module (or activate its conda env) first, or give PYTHON=<its python>" >&2; exit 2; }
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(BIN)/python -c "from importlib.metadata import version; print('torch==' + version('torch'))" \
+	  > $(VENV)/.site-torch || { rm -rf $(VENV); echo "error: the site's torch has no package metadata, so pip would install another over it: ask your centre for a PyTorch installed with pip or conda" >&2; exit 2; }
+	$(MAKE) setup
+	$(BIN)/python -m coursekit site-torch
 
 # Two steps, so that the base model (below) trains on one core while pip, which uses one, installs
 # the rest: first what the corpus and the std stage import, at the versions requirements.txt pins
@@ -59,7 +78,7 @@ $(CORE): requirements.txt pyproject.toml
 	touch $@
 
 $(INSTALLED): $(CORE) requirements-dev.txt
-	$(BIN)/python -m pip install --quiet -r requirements.txt -r requirements-dev.txt -e .
+	$(BIN)/python -m pip install --quiet -r $(REQUIREMENTS) -r requirements-dev.txt -e .
 	touch $@
 
 $(TOKENIZER): $(CORE)

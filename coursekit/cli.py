@@ -109,6 +109,9 @@ def build_parser():
     envcheck = commands.add_parser("envcheck", help="report devices, versions, Slurm, data, tokenizer")
     envcheck.add_argument("--json", action="store_true", help="print JSON instead of a report")
 
+    commands.add_parser("site-torch", help="check that this environment's torch is the site's, "
+                                          "not one pip installed (make setup-site)")
+
     torchrun = commands.add_parser(
         "torchrun", help="run a script on N processes of this machine: torchrun with its static "
                          "rendezvous at a free port (the command is printed first)")
@@ -383,6 +386,11 @@ def run_envcheck(args):
         raise KitError(info["gpu_problem"])
 
 
+def run_site_torch(args):
+    from coursekit import envcheck
+    print(envcheck.site_torch())
+
+
 def run_tokenizer(args):
     from coursekit import data
     print(f"GPT-2 tokenizer files ready in {data.fetch_tokenizer()}")
@@ -574,7 +582,7 @@ def run_registry(args):
     return 0
 
 
-COMMANDS = {"envcheck": run_envcheck, "tokenizer": run_tokenizer, "data": run_data,
+COMMANDS = {"envcheck": run_envcheck, "site-torch": run_site_torch, "tokenizer": run_tokenizer, "data": run_data,
             "presets": run_presets, "assignments": run_assignments, "book": run_book, "diffs": run_diffs,
             "batchfiles": run_batchfiles, "export-hf": run_export_hf, "instruct": run_instruct,
             "verify-data": run_verify_data, "registry": run_registry, "free-port": run_free_port,

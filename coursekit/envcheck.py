@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from coursekit import KIT_ROOT, data, distributed
+from coursekit import KIT_ROOT, KitError, data, distributed
 
 SLURM_COMMANDS = ("sbatch", "srun", "squeue", "sinfo", "scontrol")
 #: Launchers a trainee may type, which start their own Python: a site module's on PATH, before or
@@ -118,6 +118,22 @@ def usable_cpu_cores():
         return len(os.sched_getaffinity(0))
     except AttributeError:  # macOS
         return os.cpu_count()
+
+
+def site_torch():
+    """The line `make setup-site` ends with: where this environment's torch lives, its build and
+    the devices it sees; a KitError if it lives inside this environment (pip installed one over
+    the site's) rather than among the site's packages."""
+    location = Path(torch.__file__).parent
+    if location.is_relative_to(Path(sys.prefix)):
+        raise KitError(f"torch {torch.__version__} is installed inside {sys.prefix} ({location}), "
+                       "not the site's: remove the environment and run make setup-site again with "
+                       "the site's PyTorch loaded")
+    build = (f"CUDA {torch.version.cuda}" if torch.version.cuda else
+             f"ROCm {torch.version.hip}" if getattr(torch.version, "hip", None) else "CPU only")
+    seen = [name for kind, _, name in devices() if kind != "cpu"]
+    return (f"site torch {torch.__version__} ({build}) from {location}; it sees "
+            f"{', '.join(seen) if seen else 'no GPU here (a login node?)'}")
 
 
 def launcher_python(name):
