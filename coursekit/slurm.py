@@ -52,6 +52,14 @@ FIELDS = {
     "account": (str, "the #SBATCH --account value, a placeholder the instructor fills in once"),
     "partition": (str, "the partition of its GPU nodes"),
     "qos": (str, "a quality of service, or empty"),
+    "cpu_partition": (str, "the partition of the jobs without GPUs (data, images, the MLflow UI), "
+                           "or empty: 'partition'"),
+    "cpu_setup": (list, "the setup lines of those jobs, where their nodes need their own (another "
+                        "architecture's environment), or empty: 'setup'"),
+    "shape_partitions": (dict, "NnGg: partition, for shapes the site runs in another partition "
+                               "than 'partition' (gpusmall for 1 or 2 GPUs, say), or empty"),
+    "test_partition": (str, "the partition of the self-test, a short job, or empty: its shape's"),
+    "test_time": (str, "the self-test's time limit, HH:MM:SS"),
     "time": (str, "the time limit of a training job, HH:MM:SS"),
     "max_time": (str, "the longest time limit the partition (and QoS) allows, [D-]HH:MM:SS"),
     "gpu_vendor": (str, f"one of {', '.join(VENDORS)} (none: CPU processes over gloo)"),
@@ -104,7 +112,8 @@ DATA_PATH = (re.compile(r"[A-Za-z0-9_./-]+"), "a path of letters, digits and _./
 TEXT_FIELDS = {
     "description": (ONE_LINE, "one line of text"),
     "account": SLURM_NAME, "partition": SLURM_NAME, "qos": SLURM_NAME,
-    "time": SLURM_TIME, "max_time": SLURM_TIME,
+    "cpu_partition": SLURM_NAME, "test_partition": SLURM_NAME,
+    "time": SLURM_TIME, "max_time": SLURM_TIME, "test_time": SLURM_TIME,
     "gpu_request": (re.compile(r"(--[a-z-]+=[A-Za-z0-9_:.,-]*\{gpus\}[A-Za-z0-9_:.,-]*)?"),
                     "one --option=value with {gpus} in the value, or empty"),
     "data": DATA_PATH, "images": DATA_PATH,
@@ -165,8 +174,11 @@ def check_shell_text(path, profile):
             except ValueError:
                 raise KitError(f"{path}: field '{field}' is {profile[field]!r}; its quotes do "
                                "not pair up") from None
-    for line in profile["setup"]:
-        check_text(path, "setup", line, SETUP_LINE)
+    for field in ("setup", "cpu_setup"):
+        for line in profile[field]:
+            check_text(path, field, line, SETUP_LINE)
+    for shape, partition in profile["shape_partitions"].items():
+        check_text(path, f"shape_partitions {shape}", partition, SLURM_NAME)
     for name, value in profile["env"].items():
         check_text(path, "env", name, ENV_NAME)
         check_text(path, f"env {name}", value, ENV_VALUE)
@@ -187,8 +199,8 @@ def load_site(name, root=KIT_ROOT):
     for field, (kind, meaning) in FIELDS.items():
         if field not in profile:
             raise KitError(f"{path}: field '{field}' is missing ({meaning})")
-        if profile[field] is None and field in MAY_BE_EMPTY:  # `qos:` with nothing after it
-            profile[field] = ""
+        if profile[field] is None and (field in MAY_BE_EMPTY or kind in (list, dict)):
+            profile[field] = kind() if kind in (list, dict) else ""  # `qos:` with nothing after
         check_yaml_reading(path, field, profile[field])
         if field in BANDWIDTH_FIELDS:
             check_bandwidth(path, field, profile[field])
@@ -208,32 +220,38 @@ def load_site(name, root=KIT_ROOT):
     profile["name"] = name
     profile["topologies"] = [parse_topology(t, path, profile["gpus_per_node"])
                              for t in profile["topologies"]]
+    listed = {t.name for t in profile["topologies"]}
+    for shape in profile["shape_partitions"]:
+        if shape not in listed:
+            raise KitError(f"{path}: shape_partitions names {shape}, which is not among the "
+                           f"topologies ({', '.join(sorted(listed))})")
     return profile
 
 
 #: The text fields that may be left empty (YAML reads a field with nothing after it as null)
 MAY_BE_EMPTY = ("account", "qos", "gpu_request", "srun_args", "train_args", "finetune_args",
-                "resnet_args")
+                "resnet_args", "cpu_partition", "test_partition")
 
 
 def check_yaml_reading(path, field, value):
     """Catch what YAML makes of unquoted text that looks like something else: a time of day is a
     number of seconds to it (4:00:00 is 14400, read in base 60), and a line of shell holding ': '
     is a mapping."""
-    if field in ("time", "max_time") and isinstance(value, int) and not isinstance(value, bool):
+    if TEXT_FIELDS.get(field) is SLURM_TIME and isinstance(value, int) \
+            and not isinstance(value, bool):
         minutes, seconds = divmod(value, 60)
         hours, minutes = divmod(minutes, 60)
         meant = f"{hours:02d}:{minutes:02d}:{seconds:02d}"
         raise KitError(f"{path}: field '{field}' is {value}: YAML reads an unquoted time as a "
                        f"number of seconds; quote it: {field}: \"{meant}\"")
-    if field == "setup" and isinstance(value, list):
+    if field in ("setup", "cpu_setup") and isinstance(value, list):
         for number, line in enumerate(value, 1):
             if isinstance(line, dict):
                 text = ", ".join(f"{key}: {item}" for key, item in line.items())
-                raise KitError(f"{path}: field 'setup', line {number} ({text}) holds ': ', which "
+                raise KitError(f"{path}: field '{field}', line {number} ({text}) holds ': ', which "
                                f"YAML reads as a mapping; quote the line: - \"{text}\"")
             if not isinstance(line, str):
-                raise KitError(f"{path}: field 'setup', line {number} is {line!r}; each line "
+                raise KitError(f"{path}: field '{field}', line {number} is {line!r}; each line "
                                "is one line of shell")
 
 
@@ -370,16 +388,36 @@ def too_big(stage, profile, topology):
 
 
 # --- the text of a batch file -------------------------------------------------------------------
-def sbatch_lines(profile, job_name, nodes, tasks_per_node, cpus_per_task, gpus=0, requeue=True,
-                 array_tasks=0, warned=False):
-    """#SBATCH lines; a requeued job (and a ``warned`` one) gets SIGUSR1 before its time limit."""
+def gpu_place(profile, topology):
+    """(partition, time limit) of a job of this shape: its own partition where the site splits
+    them by shape, the profile's otherwise."""
+    return profile["shape_partitions"].get(topology.name) or profile["partition"], profile["time"]
+
+
+def test_place(profile, topology):
+    """(partition, time limit) of the self-test, a short job: the test partition, if any."""
+    return profile["test_partition"] or gpu_place(profile, topology)[0], profile["test_time"]
+
+
+def cpu_place(profile):
+    """(partition, time limit) of a job without GPUs: the CPU partition, if any."""
+    return profile["cpu_partition"] or profile["partition"], profile["time"]
+
+
+def sbatch_lines(profile, place, job_name, nodes, tasks_per_node, cpus_per_task, gpus=0,
+                 requeue=True, array_tasks=0, warned=False):
+    """#SBATCH lines of a job in ``place`` (partition, time limit); a requeued job (and a
+    ``warned`` one) gets SIGUSR1 before its time limit."""
+    partition, time_limit = place
     lines = [f"--job-name={job_name}"]
-    lines += [f"--{key}={profile[key]}" for key in ("account", "partition", "qos") if profile[key]]
+    lines += [f"--{key}={value}" for key, value in (("account", profile["account"]),
+                                                    ("partition", partition),
+                                                    ("qos", profile["qos"])) if value]
     lines += [f"--nodes={nodes}", f"--ntasks-per-node={tasks_per_node}",
               f"--cpus-per-task={cpus_per_task}"]
     if gpus and profile["gpu_request"]:
         lines.append(profile["gpu_request"].format(gpus=gpus))
-    lines.append(f"--time={profile['time']}")
+    lines.append(f"--time={time_limit}")
     if array_tasks:  # a log per array task: %A the array's job id, %a the task's index
         lines += [f"--array=0-{array_tasks - 1}", "--output=%x-%A_%a.out"]
     else:
@@ -543,7 +581,8 @@ def training_job(stage, topology, profile):
     lines = header(f"The {stage} stage on {topology.nodes} node(s) x {topology.gpus} "
                    f"{'GPU(s)' if profile['gpu_vendor'] != 'none' else 'process(es)'}; "
                    f"checkpoints in {run_dir}/, requeued on pre-emption.", profile, site)
-    lines += sbatch_lines(profile, job_name, topology.nodes, tasks_per_node, cpus_per_task,
+    lines += sbatch_lines(profile, gpu_place(profile, topology), job_name, topology.nodes,
+                          tasks_per_node, cpus_per_task,
                           topology.gpus)
     lines += [*job_preamble(profile, threads),
               *gpu_monitor(profile, run_dir),
@@ -595,11 +634,17 @@ def gpu_monitor(profile, run_dir):
             ""]
 
 
-def job_preamble(profile, threads):
-    """Stop on errors, insist on the kit's root, set up the environment."""
+def cpu_setup(profile):
+    """The setup lines of a job without GPUs: their own where the CPU nodes need them."""
+    return profile["cpu_setup"] or profile["setup"]
+
+
+def job_preamble(profile, threads, setup=None):
+    """Stop on errors, insist on the kit's root, set up the environment (``setup``: the profile's
+    setup lines, or those given)."""
     return ["set -euo pipefail",
             'test -f solutions/train_gpt2_std.py || { echo "submit from the kit\'s root" >&2; exit 2; }',
-            *profile["setup"],
+            *(setup or profile["setup"]),
             *(f'export {name}="{value}"' for name, value in profile["env"].items()),
             *PRIVATE_COMPILE_CACHE,
             *(private_miopen_cache() if profile["gpu_vendor"] == "amd" else []),
@@ -638,8 +683,9 @@ def data_job(profile, file):
     """A job that prepares the data the training jobs read, once, with the cores it is given."""
     site, (job_name, folder, command) = profile["name"], DATA_JOBS[file]
     lines = header(f"Prepares {profile[folder]} once, before the training jobs.", profile, site)
-    lines += sbatch_lines(profile, job_name, 1, 1, profile["cpus_per_gpu"], requeue=False)
-    lines += [*job_preamble(profile, "$SLURM_CPUS_PER_TASK"),
+    lines += sbatch_lines(profile, cpu_place(profile), job_name, 1, 1, profile["cpus_per_gpu"],
+                          requeue=False)
+    lines += [*job_preamble(profile, "$SLURM_CPUS_PER_TASK", cpu_setup(profile)),
               "# this job is the one that downloads: the profile's offline switches are for training",
               "unset HF_HUB_OFFLINE HF_DATASETS_OFFLINE",
               f'{profile[command]} --workers "$SLURM_CPUS_PER_TASK"']
@@ -653,9 +699,8 @@ def mlflow_ui_job(profile):
     site = profile["name"]
     lines = header("The MLflow UI over the runs' tracking store (runs/mlflow.db), on the compute "
                    "node's 127.0.0.1 only, behind your own password.", profile, site)
-    lines += ["# It needs no GPU: on a site with a CPU partition, submit with --partition=<it>."]
-    lines += sbatch_lines(profile, "mlflow-ui", 1, 1, 1, requeue=False)
-    lines += [*job_preamble(profile, "$SLURM_CPUS_PER_TASK"),
+    lines += sbatch_lines(profile, cpu_place(profile), "mlflow-ui", 1, 1, 1, requeue=False)
+    lines += [*job_preamble(profile, "$SLURM_CPUS_PER_TASK", cpu_setup(profile)),
               'echo "scancel $SLURM_JOB_ID when done."',
               "# the port: one free now, not one another user can work out; the password: in",
               "# runs/mlflow-server/password, which only you can read (this log names the file)",
@@ -680,7 +725,8 @@ def hpo_job(profile, topology):
                    profile, site)
     lines += ["# More or fewer workers at submission: sbatch --array=0-7%4 <this file> (at most 4 at "
               "once)"]
-    lines += sbatch_lines(profile, f"gpt2-hpo-{topology.name}", topology.nodes, 1,
+    lines += sbatch_lines(profile, gpu_place(profile, topology), f"gpt2-hpo-{topology.name}",
+                          topology.nodes, 1,
                           profile["cpus_per_gpu"] * topology.gpus, topology.gpus,
                           array_tasks=profile["hpo_workers"])
     driver = [f"python solutions/hpo_optuna.py --preset {profile['preset']} "
@@ -740,7 +786,8 @@ def selftest_job(profile, topology):
                    f"stage on one device and on all, all-reduce bandwidth, offline files; the "
                    f"report in {out}/selftest.md.", profile, site)
     lines += [f"# It trains on {profile['data']}, which batch-data.sh prepares: submit that first."]
-    lines += sbatch_lines(profile, f"selftest-{topology.name}", topology.nodes, 1,
+    lines += sbatch_lines(profile, test_place(profile, topology), f"selftest-{topology.name}",
+                          topology.nodes, 1,
                           profile["cpus_per_gpu"] * topology.gpus, topology.gpus, requeue=False)
     threads = ("$SLURM_CPUS_PER_TASK" if topology.gpus == 1
                else f"$((SLURM_CPUS_PER_TASK / {topology.gpus}))")
@@ -778,7 +825,8 @@ def ray_job(profile, topology):
                    "by you alone, running a driver script: sbatch <this file> script.py [its "
                    "arguments]", profile, site)
     lines += ["# (with no script, the job starts the cluster, runs a task on every node, and ends)"]
-    lines += sbatch_lines(profile, f"ray-{topology.name}", topology.nodes, 1,
+    lines += sbatch_lines(profile, gpu_place(profile, topology), f"ray-{topology.name}",
+                          topology.nodes, 1,
                           profile["cpus_per_gpu"] * topology.gpus, topology.gpus, requeue=False,
                           warned=True)
     lines += [*job_preamble(profile, "$SLURM_CPUS_PER_TASK"),

@@ -251,7 +251,7 @@ CI_TEXT = (KIT_ROOT / "batchfiles" / "sites" / "ci.yml").read_text()
 
 
 @pytest.mark.parametrize("old, new, message", [
-    ('time: "00:10:00"', "time: 4:00:00",
+    ('\ntime: "00:10:00"', "\ntime: 4:00:00",
      "field 'time' is 14400: YAML reads an unquoted time as a number of seconds; quote it: "
      'time: "04:00:00"'),
     ('max_time: "01:00:00"', "max_time: 12:00:00",
@@ -284,7 +284,7 @@ def test_an_empty_qos_means_none(tmp_path):
 
 def test_placeholders_and_a_time_over_the_limit_are_warned_of_before_writing(tmp_path):
     text = CI_TEXT.replace('account: ""', "account: CHANGE_ME").replace(
-        'time: "00:10:00"', 'time: "02:00:00"')
+        '\ntime: "00:10:00"', '\ntime: "02:00:00"')
     site = site_from_text(tmp_path, text)
     path = tmp_path / "batchfiles" / "sites" / "bad.yml"
     assert slurm.profile_warnings(slurm.load_site(site, tmp_path), tmp_path) == [
@@ -348,6 +348,42 @@ def test_no_job_asks_for_more_gpus_than_the_widest_topology(tmp_path):
         nodes = int(re.search(r"^#SBATCH --nodes=(\d+)$", text, re.M)[1])
         gpus = re.search(r"^#SBATCH --gpus-per-node=(\d+)$", text, re.M)
         assert nodes * int(gpus[1] if gpus else 0) <= 4, name
+
+
+def partition_of(text):
+    found = re.search(r"^#SBATCH --partition=(\S+)$", text, re.M)
+    return found[1] if found else None
+
+
+def test_each_job_asks_for_the_partition_and_time_of_its_kind(tmp_path):
+    """Issue 48, item 2: jobs without GPUs in the CPU partition, with its own setup; shapes in
+    their partitions; the self-test in the test partition for its own time."""
+    split = (GENERIC_TEXT.replace("partition: gpu\n", "partition: gpumedium\n")
+             .replace('cpu_partition: ""', "cpu_partition: small")
+             .replace("cpu_setup: []", "cpu_setup: [source .venv-x86/bin/activate]")
+             .replace("shape_partitions: {}", "shape_partitions: {1n1g: gpusmall, 1n2g: gpusmall}")
+             .replace('test_partition: ""', "test_partition: gputest")
+             .replace('test_time: "02:00:00"', 'test_time: "00:15:00"'))
+    files = {name.split("/")[-1]: text for name, text in
+             slurm.expected_files(site_from_text(tmp_path, split, "split"), tmp_path).items()}
+    for name, text in files.items():
+        kind = ("cpu" if name in ("batch-data.sh", "batch-images.sh", "batch-mlflow-ui.sh") else
+                "test" if name.startswith("batch-selftest") else
+                "small" if re.search(r"-1n[12]g\.sh$", name) else "medium")
+        assert partition_of(text) == {"cpu": "small", "test": "gputest", "small": "gpusmall",
+                                      "medium": "gpumedium"}[kind], name
+        assert ("#SBATCH --time=00:15:00" in text) == (kind == "test"), name
+        assert ("source .venv-x86/bin/activate" in text) == (kind == "cpu"), name
+        assert ("source .venv/bin/activate" in text) == (kind != "cpu"), name
+        assert ("--gpus-per-node" in text) == (kind != "cpu"), name
+
+
+def test_a_shape_partition_for_a_shape_not_generated_is_refused(tmp_path):
+    site = site_from_text(tmp_path, CI_TEXT.replace("shape_partitions: {}",
+                                                    "shape_partitions: {4n2g: big}"))
+    with pytest.raises(KitError, match=r"shape_partitions names 4n2g, which is not among the "
+                                       r"topologies \(1n1g, 1n2g, 2n1g, 2n2g\)$"):
+        slurm.load_site(site, tmp_path)
 
 
 def test_zero_jobs_use_the_deepspeed_op_make_built(tmp_path):

@@ -72,31 +72,76 @@ ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEM
 
 
 def site_partition(profile):
-    """The partition a site's jobs land in: the one they name, or the site's default."""
+    """The partition a site's GPU jobs land in: the one they name, or the site's default."""
     return profile["partition"] or profile["name"]
 
 
-def cluster_shapes():
-    """What cluster-up.sh builds, from the profiles: the debug nodes as ci describes them, and a
-    line "site partition cores gpus memory max_time" for each real site's copy."""
-    sites = [slurm.load_site(site) for site in SITES]
+def site_copy_lines(profile):
+    """cluster-up.sh's lines "site partition node_set cores gpus memory max_time max_nodes" for
+    a copy of a site's partitions: its GPU partition; those it puts shapes in, which take jobs of
+    their shapes' nodes at most; its test partition, up to the self-test's time; its CPU
+    partition, on nodes without GPUs."""
+    shape = f"{profile['cpus_per_node']} {profile['gpus_per_node']} {profile['memory_per_node']}"
+    lines = [f"{site_partition(profile)} gpu {shape} {profile['max_time']} UNLIMITED"]
+    for partition in dict.fromkeys(profile["shape_partitions"].values()):
+        nodes = max(int(name.split("n")[0]) for name, where in profile["shape_partitions"].items()
+                    if where == partition)
+        lines.append(f"{partition} gpu {shape} {profile['max_time']} {nodes}")
+    if profile["test_partition"]:
+        lines.append(f"{profile['test_partition']} gpu {shape} {profile['test_time']} UNLIMITED")
+    if profile["cpu_partition"]:
+        lines.append(f"{profile['cpu_partition']} cpu {profile['cpus_per_node']} 0 "
+                     f"{profile['memory_per_node']} {profile['max_time']} UNLIMITED")
+    return [f"{profile['name']} {line}" for line in lines]
+
+
+def cluster_shapes(profiles):
+    """What cluster-up.sh builds: the debug nodes as ci describes them, and a copy of the
+    partitions of each of ``profiles``."""
     return {"SLURM_CI_CPUS": str(CI["cpus_per_node"]),
             "SLURM_CI_MEM_MB": str(CI["memory_per_node"]),
             "SLURM_CI_MAX_TIME": CI["max_time"],
-            "SLURM_CI_SITES": "\n".join(
-                f"{p['name']} {site_partition(p)} {p['cpus_per_node']} {p['gpus_per_node']} "
-                f"{p['memory_per_node']} {p['max_time']}" for p in sites)}
+            "SLURM_CI_SITES": "\n".join(line for p in profiles for line in site_copy_lines(p))}
+
+
+#: A site that splits its jobs (issue 48, item 2), written as a new centre would from the generic
+#: profile: GPU jobs of 1 or 2 GPUs in gpusmall, which takes one node at most, larger ones in
+#: gpumedium, where a job gets at most 4 GPUs (2n2g, not 2n4g); the self-test in gputest, for 15
+#: minutes at most; the jobs without GPUs in small, whose nodes are another architecture, with
+#: an environment of their own.
+SPLIT_EDITS = [("partition: gpu\n", "partition: gpumedium\n"),
+               ('test_partition: ""', "test_partition: gputest"),
+               ('test_time: "02:00:00"', 'test_time: "00:15:00"'),
+               ('cpu_partition: ""', "cpu_partition: small"),
+               ("cpu_setup: []", "cpu_setup: [module load python-data, source .venv-x86/bin/activate]"),
+               ("shape_partitions: {}", "shape_partitions: {1n1g: gpusmall, 1n2g: gpusmall}"),
+               ("topologies: [1n1g, 1n2g, 1n4g, 2n4g]", "topologies: [1n1g, 1n2g, 1n4g, 2n2g]")]
 
 
 @pytest.fixture(scope="session")
-def cluster(tmp_path_factory):
+def split_site(tmp_path_factory):
+    """A kit root holding the split site's profile ("split"): (root, profile)."""
+    root = tmp_path_factory.mktemp("split-site")
+    text = (KIT_ROOT / "batchfiles" / "sites" / "generic.yml").read_text()
+    for old, new in SPLIT_EDITS:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    (root / "batchfiles" / "sites").mkdir(parents=True)
+    (root / "batchfiles" / "sites" / "split.yml").write_text(text)
+    shutil.copytree(KIT_ROOT / "solutions", root / "solutions")
+    return root, slurm.load_site("split", root)
+
+
+@pytest.fixture(scope="session")
+def cluster(tmp_path_factory, split_site):
     """A Slurm cluster of 2 nodes on this machine, up for the session, stopped by PID after it."""
     if os.geteuid() != 0:
         pytest.skip("the Slurm test cluster needs root: it starts munged, slurmctld and slurmd")
     # installed here, where the other tests' installs wait for each other (conftest.apt_install)
     debian_tool("slurmctld", "slurmctld", "slurmd", "slurm-client", "munge")
     directory = tmp_path_factory.mktemp("slurm-ci")
-    env = {**os.environ, "SLURM_CI_DIR": str(directory), **cluster_shapes()}
+    profiles = [slurm.load_site(site) for site in SITES] + [split_site[1]]
+    env = {**os.environ, "SLURM_CI_DIR": str(directory), **cluster_shapes(profiles)}
     up = subprocess.run(["bash", str(KIT_ROOT / "tests" / "slurm" / "cluster-up.sh")], env=env,
                         capture_output=True, text=True, timeout=600)
     assert up.returncode == 0, up.stdout[-2000:] + up.stderr[-3000:]
@@ -287,11 +332,50 @@ def test_real_site_batch_file_passes_sbatch_test_only_on_a_copy_of_its_partition
     """The copy has the site's partition with its time limit, and nodes of the site's cores, GPUs
     and memory: every request (nodes, tasks, cores, GPUs in the site's own syntax, time) fits."""
     profile = slurm.load_site(path.split("/")[1])
-    result = sbatch_test_only(cluster, KIT_ROOT / path, profile["name"])
-    assert result.returncode == 0 and "to start at" in result.stderr, result.stderr
-    nodes = int(re.search(r"--nodes=(\d+)", (KIT_ROOT / path).read_text()).group(1))
-    assert (f"on nodes {'gpu[1-2]' if nodes == 2 else 'gpu1'} "
-            f"in partition {site_partition(profile)}") in result.stderr, result.stderr
+    assert_lands_where_it_asks(cluster, KIT_ROOT / path, profile)
+
+
+def assert_lands_where_it_asks(cluster, path, profile):
+    """`sbatch --test-only` on the site's copy: the job would start, in the partition it names
+    (the site's default if none), on nodes with GPUs unless that is the CPU partition."""
+    result = sbatch_test_only(cluster, path, profile["name"])
+    assert result.returncode == 0 and "to start at" in result.stderr, (path, result.stderr)
+    text = path.read_text()
+    nodes = int(re.search(r"--nodes=(\d+)", text).group(1))
+    named = re.search(r"^#SBATCH --partition=(\S+)$", text, re.M)
+    partition = named[1] if named else site_partition(profile)
+    node_set = "cpu" if partition == profile["cpu_partition"] else "gpu"
+    assert (f"on nodes {f'{node_set}[1-2]' if nodes == 2 else f'{node_set}1'} "
+            f"in partition {partition}") in result.stderr, (path, result.stderr)
+    return partition
+
+
+def test_a_split_sites_files_each_land_in_a_partition_that_takes_them(cluster, split_site,
+                                                                      tmp_path):
+    """Issue 48, item 2: a site with partitions by shape (one node at most in gpusmall), a test
+    partition with a short limit and CPU nodes of another architecture. Every file the generator
+    writes lands in a partition that takes it; each partition of the copy refuses what the site's
+    would: two nodes in gpusmall, a training job's hours in gputest, GPUs in small."""
+    root, profile = split_site
+    files = slurm.expected_files("split", root)
+    landed = {}
+    for name, text in files.items():
+        path = tmp_path / name.split("/")[-1]
+        path.write_text(text)
+        landed[path.name] = assert_lands_where_it_asks(cluster, path, profile)
+    assert {landed[f"batch-{job}.sh"] for job in ("data", "images", "mlflow-ui")} == {"small"}
+    assert {landed["batch-ddp-1n1g.sh"], landed["batch-ddp-1n2g.sh"]} == {"gpusmall"}
+    assert {landed["batch-ddp-1n4g.sh"], landed["batch-ddp-2n2g.sh"]} == {"gpumedium"}
+    assert {landed["batch-selftest-1n4g.sh"], landed["batch-selftest-2n2g.sh"]} == {"gputest"}
+    assert "module load python-data" in files["batchfiles/split/batch-data.sh"]
+    assert "module load python-data" not in files["batchfiles/split/batch-ddp-1n4g.sh"]
+    for options, file, reason in (
+            (["--partition=gpusmall"], "batch-ddp-2n2g.sh", "Node count specification invalid"),
+            (["--partition=gputest"], "batch-ddp-1n4g.sh", "Requested time limit is invalid"),
+            (["--partition=small"], "batch-ddp-1n4g.sh",
+             "Requested node configuration is not available")):
+        refused = sbatch_test_only(cluster, tmp_path / file, "split", *options)
+        assert refused.returncode != 0 and reason in refused.stderr, (options, refused.stderr)
 
 
 # A profile with a value its site cannot meet (or a request added at submission), and why the

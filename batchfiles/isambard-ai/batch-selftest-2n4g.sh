@@ -11,7 +11,7 @@
 #SBATCH --ntasks-per-node=1
 #SBATCH --cpus-per-task=288
 #SBATCH --gpus-per-node=4
-#SBATCH --time=04:00:00
+#SBATCH --time=02:00:00
 #SBATCH --output=%x-%j.out
 set -euo pipefail
 test -f solutions/train_gpt2_std.py || { echo "submit from the kit's root" >&2; exit 2; }

@@ -3,11 +3,11 @@
 # ("node1".."nodeN") in the partition "debug". Each slurmd runs in its own UTS and mount
 # namespace, so `hostname` in a job says node1, node2, ... and those names resolve (through a
 # private copy of /etc/hosts that only the slurmds and their jobs see) to 127.0.0.11, 127.0.0.12...
-# Beside it, for each line "site partition cores gpus memory_mb max_time" of SLURM_CI_SITES, a
-# copy of that real site's partition: a slurmctld of its own (config in
-# $SLURM_CI_DIR/sites/<site>/slurm.conf) with 2 nodes "gpu1", "gpu2" of the site's shape, and the
-# site's partition with its time limit, the only partition there. `sbatch --test-only` against it
-# refuses what the site would refuse for those reasons. No job runs there: its nodes are
+# Beside it, for the lines "site partition node_set cores gpus memory_mb max_time max_nodes" of
+# SLURM_CI_SITES, a copy of each real site's partitions: a slurmctld of its own (config in
+# $SLURM_CI_DIR/sites/<site>/slurm.conf), with 2 nodes of each node set ("gpu1", "gpu2"; "cpu1",
+# "cpu2") of the site's shape, and each partition with its time limit and largest job in nodes.
+# `sbatch --test-only` against it refuses what the site would refuse for those reasons. No job runs there: its nodes are
 # powered-down cloud nodes, which the scheduler counts as available and never contacts.
 # Installs Slurm and munge from Debian's packages if they are missing. Needs root.
 #   SLURM_CI_DIR=/tmp/slurm-ci tests/slurm/cluster-up.sh     then: export SLURM_CONF=$SLURM_CI_DIR/slurm.conf
@@ -112,18 +112,38 @@ ${node_lines}PartitionName=debug Nodes=node[1-$nodes] Default=YES MaxTime=$max_t
 CONF
 } > "$dir/slurm.conf"
 
-# --- a copy of each real site's partition, for `sbatch --test-only` only ---
+# --- a copy of each real site's partitions, for `sbatch --test-only` only ---
+# Each line of SLURM_CI_SITES: "site partition node_set cores gpus memory_mb max_time max_nodes".
+# A site's lines share one controller; each node set (gpu, cpu) is 2 nodes of its line's shape;
+# the site's first partition is its default.
 index=0
-while read -r site partition site_cpus gpus site_memory site_max_time; do
+while read -r site partition node_set site_cpus gpus site_memory site_max_time max_nodes; do
   [ -n "$site" ] || continue
-  index=$((index + 1))
   here="$dir/sites/$site"
-  mkdir -p "$here/state"
-  gres=""
-  [ "$gpus" -gt 0 ] && gres="Gres=gpu:$gpus"
+  default=""
+  if [ ! -d "$here" ]; then
+    index=$((index + 1))
+    mkdir -p "$here/state"
+    : > "$here/nodes"
+    : > "$here/partitions"
+    echo "$index" > "$here/index"
+    default="Default=YES"
+  fi
+  if ! grep -q "^NodeName=$node_set\[" "$here/nodes"; then
+    gres=""
+    [ "$gpus" -gt 0 ] && gres="Gres=gpu:$gpus"
+    echo "NodeName=${node_set}[1-2] CPUs=$site_cpus $gres RealMemory=$site_memory State=CLOUD" \
+      >> "$here/nodes"
+  fi
+  echo "PartitionName=$partition Nodes=${node_set}[1-2] $default MaxTime=$site_max_time" \
+    "MaxNodes=$max_nodes State=UP" >> "$here/partitions"
+done <<< "$sites"
+for here in "$dir"/sites/*/; do
+  [ -e "$here/index" ] || continue
+  site=$(basename "$here")
   {
     echo "ClusterName=$site"
-    common_conf "$here/state" $((6820 + index)) "$dir/run/slurmctld.$site.pid" \
+    common_conf "$here/state" $((6820 + $(cat "$here/index"))) "$dir/run/slurmctld.$site.pid" \
       "$dir/log/slurmctld.$site.log"
     cat <<CONF
 GresTypes=gpu
@@ -133,11 +153,10 @@ SelectTypeParameters=CR_Core_Memory
 SuspendProgram=/bin/true
 ResumeProgram=/bin/true
 SuspendTime=INFINITE
-NodeName=gpu[1-2] CPUs=$site_cpus $gres RealMemory=$site_memory State=CLOUD
-PartitionName=$partition Nodes=gpu[1-2] Default=YES MaxTime=$site_max_time State=UP
 CONF
+    cat "$here/nodes" "$here/partitions"
   } > "$here/slurm.conf"
-done <<< "$sites"
+done
 
 export SLURM_CONF=$dir/slurm.conf
 /usr/sbin/slurmctld -f "$SLURM_CONF"
