@@ -264,6 +264,10 @@ def profile_warnings(profile, root=KIT_ROOT):
     if slurm_seconds(profile["time"]) > slurm_seconds(profile["max_time"]):
         found.append(f"{path}: field 'time' ({profile['time']}) is longer than 'max_time' "
                      f"({profile['max_time']}): the partition will refuse the training jobs")
+    if profile["gpu_vendor"] != "none" and not profile["cpu_partition"]:
+        found.append(f"{path}: the jobs without GPUs ({', '.join([*DATA_JOBS, 'batch-mlflow-ui.sh'])}"
+                     f") go to partition '{profile['partition']}': if it takes only jobs that ask "
+                     "for GPUs, name the site's CPU partition in 'cpu_partition'")
     return found
 
 

@@ -302,8 +302,13 @@ def test_the_command_line_warns_and_names_the_absolute_folder_it_wrote(tmp_path)
                             capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert result.stdout == f"generic: 36 batch files in {KIT_ROOT / 'batchfiles' / 'generic'}/\n"
-    assert result.stderr.startswith("warning: ") and "field 'account' is 'CHANGE_ME'" in \
-        result.stderr and result.stderr.count("\n") == 1
+    warnings = result.stderr.splitlines()
+    assert all(line.startswith("warning: ") for line in warnings) and len(warnings) == 2
+    assert "field 'account' is 'CHANGE_ME'" in warnings[0]
+    assert warnings[1].endswith("the jobs without GPUs (batch-data.sh, batch-images.sh, "
+                                "batch-mlflow-ui.sh) go to partition 'gpu': if it takes only jobs "
+                                "that ask for GPUs, name the site's CPU partition in "
+                                "'cpu_partition'")
 
 
 def test_the_rendezvous_host_is_the_name_the_profile_makes_from_the_first_node(tmp_path):
