@@ -6,7 +6,9 @@
     batchfiles/<site>/batch-mlflow-ui.sh          the MLflow UI over runs/mlflow.db, on 127.0.0.1
     batchfiles/<site>/batch-hpo-1n1g.sh           an Optuna study: a job array, a worker per task
     batchfiles/<site>/batch-hpo-2n<G>g.sh         the same, each trial a DDP run on 2 nodes x G
-    batchfiles/<site>/batch-selftest-<N>n<G>g.sh  coursekit selftest on 1 or 2 whole nodes
+    batchfiles/<site>/batch-selftest-<N>n<G>g.sh  coursekit selftest: the widest shapes on one
+                                                  node and across nodes
+    batchfiles/<site>/batch-ray-<N>n<G>g.sh       a Ray cluster of the same shapes, for a driver
 
 How the stages start:
     std   one process:                    srun python train_gpt2_std.py
@@ -123,6 +125,9 @@ TEXT_FIELDS = {
     "hpo_args": SHELL_WORDS, "data_command": SHELL_WORDS, "images_command": SHELL_WORDS,
     "resnet_args": SHELL_WORDS,
 }
+#: The text fields that may be left empty (YAML reads a field with nothing after it as null)
+MAY_BE_EMPTY = ("account", "qos", "gpu_request", "srun_args", "train_args", "finetune_args",
+                "resnet_args", "cpu_partition", "test_partition")
 SETUP_LINE = (ONE_LINE, "one line of shell each")
 ENV_NAME = (re.compile(r"[A-Za-z_][A-Za-z0-9_]*"), "a shell variable name")
 ENV_VALUE = (re.compile(r"([A-Za-z0-9 _./:=,@%+-]|\$[A-Za-z_][A-Za-z0-9_]*|\$\{[A-Za-z_][A-Za-z0-9_]*\})*"),
@@ -226,11 +231,6 @@ def load_site(name, root=KIT_ROOT):
             raise KitError(f"{path}: shape_partitions names {shape}, which is not among the "
                            f"topologies ({', '.join(sorted(listed))})")
     return profile
-
-
-#: The text fields that may be left empty (YAML reads a field with nothing after it as null)
-MAY_BE_EMPTY = ("account", "qos", "gpu_request", "srun_args", "train_args", "finetune_args",
-                "resnet_args", "cpu_partition", "test_partition")
 
 
 def check_yaml_reading(path, field, value):
