@@ -195,5 +195,8 @@ def test_memory_that_runs_out_is_one_line_with_the_fixes(builtin_data, tmp_path)
                        "--batch-tokens", 32 * 128, "--data", builtin_data, "--out", tmp_path,
                        env=kit_env(ONE_THREAD), preexec_fn=limit_memory)
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-3000:]
-    assert re.match(r"error: out of memory allocating \d+ bytes at train_gpt2_std\.py:\d+ \(.+\): "
-                    r"lower --micro-batch \(the same --batch-tokens trains the same", result.stderr)
+    # where the training code ran out: the loss in the model's forward (solutions/gpt.py) or the
+    # script's backward, as the process's address space happens to be laid out
+    assert re.match(r"error: out of memory allocating \d+ bytes at (train_gpt2_std|gpt)\.py:\d+ "
+                    r"\(.+\): lower --micro-batch \(the same --batch-tokens trains the same",
+                    result.stderr), result.stderr

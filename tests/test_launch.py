@@ -55,13 +55,15 @@ def rendezvous_keys(store):
     return [f"torch.rendezvous.{run_id}" for run_id in ids]
 
 
-def attack(job, marker):
+def attack(job, marker, release, enough):
     """Until the job ends: connect to its store and write the crafted state under the c10d
-    rendezvous keys of every run id listed or guessed. Returns how many rounds it wrote."""
-    deadline = time.monotonic() + 60
+    rendezvous keys of every run id listed or guessed, every 0.5 s. Once ``enough(rounds,
+    seconds since the first write)`` holds, or the crafted pickle ran, create ``release``: the
+    job's processes, which held their group until then, leave. Returns how many rounds it wrote."""
+    deadline = time.monotonic() + 120
     store = dist.TCPStore("127.0.0.1", store_port(job, deadline), is_master=False,
                           timeout=timedelta(seconds=10), wait_for_workers=False)
-    rounds = 0
+    rounds, start = 0, time.monotonic()
     while job.poll() is None and time.monotonic() < deadline:
         try:
             for key in rendezvous_keys(store):
@@ -69,19 +71,22 @@ def attack(job, marker):
         except dist.DistError:  # the launcher went away (the pickle may have made it crash)
             break
         rounds += 1
+        if marker.exists() or enough(rounds, time.monotonic() - start):
+            release.touch()
         time.sleep(0.5)
+    release.touch()
     return rounds
 
 
-def launched_and_attacked(command, tmp_path, hold_seconds):
-    """Launch `command` with the helper holding its group; attack it: (rounds of writes, exit
-    status, output, whether the crafted pickle ran)."""
-    marker = tmp_path / "the-attackers-code-ran"
-    job = subprocess.Popen([*map(str, command), str(HOLD), str(hold_seconds)],
+def launched_and_attacked(command, tmp_path, enough):
+    """Launch `command` with the helper holding its group; attack it until ``enough``: (rounds
+    of writes, exit status, output, whether the crafted pickle ran)."""
+    marker, release = tmp_path / "the-attackers-code-ran", tmp_path / "release"
+    job = subprocess.Popen([*map(str, command), str(HOLD), str(release)],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            env=kit_env(), cwd=tmp_path)
     try:
-        rounds = attack(job, marker)
+        rounds = attack(job, marker, release, enough)
         output = job.communicate(timeout=60)[0]  # the store closes as the job ends: let it end
     finally:
         if job.poll() is None:
@@ -90,25 +95,36 @@ def launched_and_attacked(command, tmp_path, hold_seconds):
     return rounds, job.returncode, output, marker.exists()
 
 
+def until_it_ran(rounds, seconds):
+    """The controls: the c10d launcher unpickles its state at every keep-alive (5 s), however
+    busy the machine; the attack ends as soon as the pickle ran, or after a minute."""
+    return seconds > 60
+
+
+def two_keep_alives(rounds, seconds):
+    """The kit's launch: attacked for two of c10d's keep-alives, at least 4 writes."""
+    return rounds >= 4 and seconds > 10
+
+
 def test_the_c10d_rendezvous_runs_a_pickle_written_to_its_store(tmp_path):
     """The control: the launch the batch files used until issue 20 (ids from the job id)."""
     c10d = [*launch.torchrun(2)[:3], "--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d",
             f"--rdzv-endpoint=127.0.0.1:{launch.free_port()}", f"--rdzv-id={JOB_ID}"]
-    rounds, _, output, ran = launched_and_attacked(c10d, tmp_path, hold_seconds=8)
-    assert rounds >= 1 and ran, output[-3000:]  # within one keep-alive (5 s) of the write
+    rounds, _, output, ran = launched_and_attacked(c10d, tmp_path, until_it_ran)
+    assert rounds >= 1 and ran, output[-3000:]
 
 
 def test_torchruns_standalone_mode_runs_a_pickle_written_to_its_store(tmp_path):
     """The launch the README taught until issue 47: a random id and port, found all the same."""
     standalone = [*launch.torchrun(2)[:3], "--standalone", "--nproc-per-node=2"]
-    rounds, _, output, ran = launched_and_attacked(standalone, tmp_path, hold_seconds=8)
+    rounds, _, output, ran = launched_and_attacked(standalone, tmp_path, until_it_ran)
     assert rounds >= 1 and ran, output[-3000:]
 
 
 def test_the_kits_launch_runs_nothing_written_to_its_store(tmp_path):
     """`python -m coursekit torchrun`, which the README and the stages' docstrings show."""
     kits = [sys.executable, "-m", "coursekit", "torchrun", "--nproc", "2"]
-    rounds, status, output, ran = launched_and_attacked(kits, tmp_path, hold_seconds=4)
+    rounds, status, output, ran = launched_and_attacked(kits, tmp_path, two_keep_alives)
     # the pickle sat in the store for seconds while the job ran: nothing read it
     assert rounds >= 4 and not ran and status == 0, output[-3000:]
     assert "$ " in output and "--master-port=" in output  # the command, shown

@@ -1,15 +1,19 @@
-"""Run under torchrun: join the process group, hold it for SECONDS while another
-process attacks the launch's store, then leave together.
+"""Run under torchrun: join the process group, hold it until the file RELEASE exists (another
+process attacks the launch's store meanwhile, and says when it is done by creating the file; at
+most 120 s), then leave together.
 
-    python -m torch.distributed.run --nproc-per-node=2 ... tests/helpers/hold_group.py SECONDS
+    python -m torch.distributed.run --nproc-per-node=2 ... tests/helpers/hold_group.py RELEASE
 """
 import sys
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
-dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # a lost rank fails, never hangs
-time.sleep(float(sys.argv[1]))
+dist.init_process_group("gloo", timeout=timedelta(seconds=180))  # a lost rank fails, never hangs
+release, deadline = Path(sys.argv[1]), time.monotonic() + 120
+while not release.exists() and time.monotonic() < deadline:
+    time.sleep(0.1)
 dist.barrier()
 dist.destroy_process_group()
