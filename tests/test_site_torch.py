@@ -1,7 +1,9 @@
 """`make setup-site` (issue 48, item 3): the course environment on top of a site's PyTorch, which
-it never replaces. The "site" here is a separate prefix with its own torch, whose version the pin
-in requirements.txt does not match (as a site's CUDA or ROCm build never does), so that any
-install of the pinned torch would show."""
+it never replaces. The "site" here is what many a centre's PyTorch module is: a folder of packages
+that the module puts on PYTHONPATH for the system's python3, holding torch (the pinned build)
+under a version of its own, which the pin in requirements.txt does not match (as a site's CUDA or
+ROCm build never does), so that any install of the pinned torch would show."""
+import os
 import shutil
 import subprocess
 import sys
@@ -11,24 +13,24 @@ import pytest
 from coursekit import KIT_ROOT, trainee
 
 pytestmark = pytest.mark.slow
-#: The site's torch: the pinned build, installed in the site's prefix under a version of its own
+#: The site's torch: the pinned build, installed in the site's folder under a version of its own
 SITE_VERSION = "2.13.0.post9+site"
 
 
-def site_with_torch(prefix):
-    """A Python prefix whose torch pip sees at SITE_VERSION, as a site's module provides it."""
-    subprocess.run([sys.executable, "-m", "venv", str(prefix)], check=True)
+def site_module(folder):
+    """The site's packages: torch and what it needs, in ``folder``, as `module load` would put
+    them on PYTHONPATH; its torch is at SITE_VERSION to pip."""
     pinned = next(line for line in (KIT_ROOT / "requirements.txt").read_text().splitlines()
                   if line.startswith("torch=="))
-    subprocess.run([str(prefix / "bin" / "python"), "-m", "pip", "install", "--quiet", pinned],
-                   check=True, capture_output=True, timeout=900)
-    info = next(prefix.glob("lib/python*/site-packages/torch-*.dist-info"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--target", str(folder),
+                    pinned], check=True, capture_output=True, timeout=900)
+    info = next(folder.glob("torch-*.dist-info"))
     metadata = info / "METADATA"
     lines = metadata.read_text().splitlines(keepends=True)
     metadata.write_text("".join(f"Version: {SITE_VERSION}\n" if line.startswith("Version: ")
                                 else line for line in lines))
     info.rename(info.with_name(f"torch-{SITE_VERSION}.dist-info"))
-    return prefix / "bin" / "python"
+    return {**os.environ, "PYTHONPATH": str(folder)}
 
 
 def kit_copy(folder):
@@ -39,28 +41,33 @@ def kit_copy(folder):
     return folder
 
 
-def make(kit, *args):
+def make(kit, *args, env=None):
     return subprocess.run(["make", "--no-print-directory", *args], cwd=kit, capture_output=True,
-                          text=True, timeout=1800)
+                          text=True, timeout=1800, env=env)
+
+
+def system_python():
+    """The python3 the kit's own environment was made from (a venv's base): no packages of
+    the kit's."""
+    return getattr(sys, "_base_executable", sys.executable)
 
 
 def test_setup_site_builds_on_the_sites_torch_and_never_installs_one(tmp_path):
-    site_python = site_with_torch(tmp_path / "site")
+    site = tmp_path / "site-packages"
+    module_loaded = site_module(site)
     kit = kit_copy(tmp_path / "kit")
-    built = make(kit, "setup-site", f"PYTHON={site_python}")
+    built = make(kit, "setup-site", f"PYTHON={system_python()}", env=module_loaded)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
-    site_packages = next((tmp_path / "site").glob("lib/python*/site-packages"))
     assert built.stdout.strip().splitlines()[-1] == (
-        f"site torch 2.13.0+cpu (CPU only) from {site_packages / 'torch'}; it sees no GPU here "
-        "(a login node?)")
+        f"site torch 2.13.0+cpu (CPU only) from {site / 'torch'}; it sees no GPU here (a login "
+        "node?)")
     assert not list(kit.glob(".venv/lib/python*/site-packages/torch"))  # no torch of its own
-    venv_python = kit / ".venv" / "bin" / "python"
-    imported = subprocess.run([str(venv_python), "-c", "import torch, coursekit, lightning, "
-                               "accelerate; print(torch.__file__)"],
-                              capture_output=True, text=True, check=True)
-    assert imported.stdout.startswith(str(site_packages))
+    imported = subprocess.run([str(kit / ".venv" / "bin" / "python"), "-c", "import torch, "
+                               "coursekit, lightning, accelerate; print(torch.__file__)"],
+                              capture_output=True, text=True, env=module_loaded)
+    assert imported.stdout.startswith(str(site / "torch")), imported.stderr[-3000:]
     # later targets find the environment done, and their installs would keep the site's torch
-    assert make(kit, "--question", "setup").returncode == 0
+    assert make(kit, "--question", "setup", env=module_loaded).returncode == 0
     assert (kit / ".venv" / ".site-torch").read_text() == f"torch=={SITE_VERSION}\n"
 
 
