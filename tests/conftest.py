@@ -73,13 +73,13 @@ WORKER_GROUPS = {"tests/test_notebooks.py": "book", "tests/test_book.py": "book"
 #: machine), so that the short ones fill in at the end and the workers finish together. The
 #: lessons' nbval runs come before the book, which is built from them (built_book).
 LONGEST_FIRST = ("tests/test_notebooks.py", "tests/test_slurm.py", "tests/test_book.py",
-                 "tests/test_browser.py", "tests/test_grading.py", "tests/test_tracking.py",
-                 "tests/test_class.py", "tests/test_gpu_paths.py",
-                 "tests/test_stage_std.py", "tests/test_stage_lora.py", "tests/test_hpo.py",
-                 "tests/test_ray.py", "tests/test_selftest.py", "tests/test_stage_tp.py",
-                 "tests/test_stage_resnet.py", "tests/test_stage_pp.py", "tests/test_stage_ddp.py",
-                 "tests/test_export_hf.py", "tests/test_faults.py", "tests/test_rag.py",
-                 "tests/test_stage_fsdp.py", "tests/test_stage_lit.py")
+                 "tests/test_browser.py", "tests/test_grading.py", "tests/test_ray.py",
+                 "tests/test_gpu_paths.py", "tests/test_stage_lora.py", "tests/test_tracking.py",
+                 "tests/test_stage_tp.py", "tests/test_hpo.py", "tests/test_stage_std.py",
+                 "tests/test_stage_resnet.py", "tests/test_site_torch.py", "tests/test_stage_pp.py",
+                 "tests/test_faults.py", "tests/test_stage_ddp.py", "tests/test_class.py",
+                 "tests/test_selftest.py", "tests/test_stage_fsdp.py", "tests/test_export_hf.py",
+                 "tests/test_stage_lit.py", "tests/test_ondemand.py", "tests/test_launch.py")
 
 
 def pytest_collection_modifyitems(items):
