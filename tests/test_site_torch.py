@@ -42,6 +42,10 @@ def kit_copy(folder):
 
 
 def make(kit, *args, env=None):
+    """`make` in ``kit``, as a trainee runs it: not as a child of the suite's own `make test`,
+    whose jobserver variables would make it warn first."""
+    env = {name: value for name, value in (env or os.environ).items()
+           if name not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
     return subprocess.run(["make", "--no-print-directory", *args], cwd=kit, capture_output=True,
                           text=True, timeout=1800, env=env)
 
