@@ -49,7 +49,8 @@ NPM_PACK := npm pack --silent
 # Two jobs at once: the set-up's steps that do not depend on each other run side by side.
 MAKEFLAGS += --jobs=2
 
-.PHONY: setup setup-site book book-instructor test test-fast lab assignments trainee-kit clean
+.PHONY: setup setup-site course-files book book-instructor test test-fast lab assignments trainee-kit \
+  clean
 
 setup: $(INSTALLED) $(TOKENIZER)
 
@@ -114,7 +115,7 @@ $(INSTRUCT_DATA): $(INSTALLED)
 # from scratch after a new install: the command writes into an empty folder only).
 $(SHAPES_DATA): $(INSTALLED)
 	rm -rf data/shapes
-	$(BIN)/python -m coursekit images prepare --out data/shapes
+	$(BIN)/python -m coursekit images prepare --out data/shapes --files
 
 # The pretrained model lesson 05 fine-tunes: the std stage's tiny run, in Hugging Face format.
 # The corpus is needed first, but preparing it again (the Slurm tests' data job does, with the
@@ -142,11 +143,16 @@ $(BASE_MODEL): $(BASE_RUN) $(INSTALLED)
 $(EMBED_MODEL): $(BASE_MODEL) coursekit/rag.py $(wildcard book/*.md notebooks/*/[0-9]*.py)
 	$(BIN)/python -m coursekit rag embedder --base models/kit-tiny --out models/kit-embed
 
+# What the lessons read and no network is needed for: the corpus, lesson 05's tasks and base
+# model, lesson 08's images, lesson 09's retriever. On a cluster, a compute node makes them
+# (batchfiles/<site>/batch-course-files.sh): the base model is minutes of a few cores.
+COURSE_FILES := $(BUILTIN_DATA) $(INSTRUCT_DATA) $(SHAPES_DATA) $(BASE_MODEL) $(EMBED_MODEL)
+course-files: $(COURSE_FILES)
+
 # Execute every lesson (cached in _build/.jupyter_cache: unchanged lessons are not re-run) and
 # build the HTML book with warnings as errors. The reader's edition (published) shows exercises as
 # students get them; the instructor's edition shows solutions and hidden tests (coursekit/book.py).
-BOOK_INPUTS := setup $(BOOK_JS) $(BUILTIN_DATA) $(INSTRUCT_DATA) $(SHAPES_DATA) $(BASE_MODEL) \
-  $(EMBED_MODEL)
+BOOK_INPUTS := setup $(BOOK_JS) $(COURSE_FILES)
 book: $(BOOK_INPUTS)
 	$(BIN)/python -m coursekit envcheck
 	$(BIN)/python -m coursekit book --edition reader

@@ -67,7 +67,7 @@ def main():
     parser.add_argument("--out", default=str(RESULTS))
     args = parser.parse_args()
     if not (DATA / "meta.json").exists():
-        images.prepare(DATA)
+        images.prepare(DATA, files=True)
     torch.set_num_threads(1)  # the main process's share of the cores, as under the stage's jobs
     result = {"benchmark": "images/s through train_resnet_ddp.py's input pipeline, per stage",
               "batches": args.batches, "batch_size": args.batch_size, "width": args.width,

@@ -4,7 +4,7 @@
     tokenizer fetch                            put the GPT-2 tokenizer files in the offline cache
     data prepare --source builtin --out DIR    build the offline corpus
     data prepare --source fineweb-edu --out DIR --shards N [--sample-file F]
-    images prepare --out DIR [--source FOLDER --size S]   lesson 08's images, as files and shards
+    images prepare --out DIR [--source FOLDER --size S --files]   lesson 08's images, as shards
     presets                                    the model and batch sizes of each preset
     assignments [--root DIR]                   nbgrader student versions of every lesson
     exchange create PATH --group G             nbgrader's exchange for a class, on project space
@@ -141,9 +141,9 @@ def build_parser():
     data_cmd.add_argument("--workers", type=positive_int, default=None,
                           help="processes for reading and tokenising (default: all cores)")
 
-    images = commands.add_parser("images", help="image data for lesson 08, as files and shards")
+    images = commands.add_parser("images", help="image data for lesson 08, as shards (and files)")
     images.add_argument("action", choices=["prepare"])
-    images.add_argument("--out", required=True, help="a new folder for files/, shards/, meta.json")
+    images.add_argument("--out", required=True, help="a new folder for shards/, meta.json (files/)")
     images.add_argument("--source", help="an ImageNet-style folder (a folder of images per class) "
                                          "instead of the kit's own shapes")
     images.add_argument("--size", type=positive_int,
@@ -155,6 +155,9 @@ def build_parser():
     images.add_argument("--shard-size", type=positive_int, default=1000, help="images per tar shard")
     images.add_argument("--workers", type=positive_int, default=None,
                         help="processes drawing and encoding (default: all cores)")
+    images.add_argument("--files", action="store_true",
+                        help="also one file per image, with an index (lesson 08 compares the two "
+                             "layouts): a file each against the quota; shards only without it")
 
     commands.add_parser("presets", help="list the presets")
 
@@ -414,11 +417,11 @@ def run_images(args):
     from coursekit import images
     start = time.perf_counter()
     meta = images.prepare(args.out, args.source, args.size, args.count, args.image_format,
-                          args.shard_size, args.workers)
+                          args.shard_size, args.workers, files=args.files)
     counts = ", ".join(f"{split} {s['images']:,} images in {len(s['shards'])} shard(s)"
                        for split, s in meta["splits"].items())
-    print(f"prepared {meta['source']} in {args.out}: {len(meta['classes'])} classes, {counts} "
-          f"({time.perf_counter() - start:.1f} s)")
+    print(f"prepared {meta['source']} in {args.out}: {len(meta['classes'])} classes, {counts}"
+          f"{', and a file per image' if args.files else ''} ({time.perf_counter() - start:.1f} s)")
 
 
 def run_presets(args):

@@ -11,13 +11,14 @@ drawing, owes nothing to anyone's licence, and is learnable without being trivia
 in ImageNet's folder layout (a folder of images per class, with train/ and val/ folders or without)
 goes through the same code: its images are read, resized if --size says so, and encoded again.
 
-Both layouts hold the same encoded images (JPEG by default, as real data sets are; PNG on request):
+Two layouts hold the same encoded images (JPEG by default, as real data sets are; PNG on request):
 
-    OUT/files/<split>/<class>/<n>.jpg, OUT/files/<split>/index.csv    one file per image: a
-                                        file open per image, what a parallel file system hates
     OUT/shards/<split>-<nnnnnn>.tar     WebDataset's layout: the images in order inside a few
-                                        large tar files, read as streams
-    OUT/meta.json                       the classes, sizes and counts
+                                        large tar files, read as streams (always written)
+    OUT/files/<split>/<class>/<n>.jpg, OUT/files/<split>/index.csv    one file per image, with
+                                        --files only: a file open per image, what a parallel
+                                        file system hates, and a file each against the quota
+    OUT/meta.json                       the classes, sizes, counts and layouts
 """
 import csv
 import io
@@ -161,37 +162,41 @@ def encoded_file(job):
     return label, encode(folder_image(path, size), image_format)
 
 
-def write_split(out, split, encoded, count, classes, image_format, shard_size):
-    """Write the split's images, in order, as files with an index and as tar shards."""
+def write_split(out, split, encoded, count, classes, image_format, shard_size, files):
+    """Write the split's images, in order, as tar shards and, with ``files``, as files with an
+    index."""
     import webdataset as wds
 
     suffix = FORMATS[image_format][0]
-    files = out / "files" / split
-    for name in classes:
-        (files / name).mkdir(parents=True, exist_ok=True)
+    folder = out / "files" / split
+    if files:
+        for name in classes:
+            (folder / name).mkdir(parents=True, exist_ok=True)
     (out / "shards").mkdir(exist_ok=True)
     pattern = str(out / "shards" / f"{split}-%06d.tar")
     index_rows = []
     # mtime fixed: the shards' bytes depend on the images alone, not on when they were written
     with wds.ShardWriter(pattern, maxcount=shard_size, verbose=0, mtime=0) as shards:
         for n, (label, data) in enumerate(tqdm(encoded, total=count, desc=split, unit="image")):
-            relative = f"{classes[label]}/{n:07d}.{suffix}"
-            (files / relative).write_bytes(data)
-            index_rows.append((relative, label))
             shards.write({"__key__": f"{n:07d}", suffix: data, "cls": str(label).encode()})
-    with open(files / "index.csv", "w", newline="") as index:
-        writer = csv.writer(index)
-        writer.writerow(["path", "label"])
-        writer.writerows(index_rows)
+            relative = f"{classes[label]}/{n:07d}.{suffix}"
+            index_rows.append((relative, label))
+            if files:
+                (folder / relative).write_bytes(data)
+    if files:
+        with open(folder / "index.csv", "w", newline="") as index:
+            writer = csv.writer(index)
+            writer.writerow(["path", "label"])
+            writer.writerows(index_rows)
     return {"images": len(index_rows),
             "shards": sorted(p.name for p in (out / "shards").glob(f"{split}-*.tar"))}
 
 
 def prepare(out, source=None, size=None, count=6000, image_format="jpeg", shard_size=1000,
-            workers=None, val_count=None):
-    """Build OUT/files, OUT/shards and OUT/meta.json from the kit's shapes (``source`` None:
-    ``count`` training images and a sixth as many for validation, ``size`` pixels, 32 by
-    default) or from an ImageNet-style folder. Returns the meta."""
+            workers=None, val_count=None, files=False):
+    """Build OUT/shards (and, with ``files``, OUT/files) and OUT/meta.json from the kit's shapes
+    (``source`` None: ``count`` training images and a sixth as many for validation, ``size``
+    pixels, 32 by default) or from an ImageNet-style folder. Returns the meta."""
     if image_format not in FORMATS:
         raise KitError(f"--format {image_format!r}: use one of {', '.join(FORMATS)}")
     out = Path(out)
@@ -218,9 +223,10 @@ def prepare(out, source=None, size=None, count=6000, image_format="jpeg", shard_
         for split, split_jobs in jobs.items():
             encoded = pool.map(work, split_jobs, chunksize=64)
             splits[split] = write_split(out, split, encoded, len(split_jobs), classes,
-                                        image_format, shard_size)
+                                        image_format, shard_size, files)
     meta = {"source": "shapes" if source is None else str(source), "classes": list(classes),
-            "size": size, "format": image_format, "shard_size": shard_size, "splits": splits}
+            "size": size, "format": image_format, "shard_size": shard_size,
+            "layouts": ["files", "shards"] if files else ["shards"], "splits": splits}
     runs.write_json_atomic(out / "meta.json", meta)
     return meta
 
@@ -232,3 +238,11 @@ def read_meta(data_dir):
         raise KitError(f"no prepared images in {data_dir} (meta.json missing): run "
                        f"`python -m coursekit images prepare --out {data_dir}`")
     return json.loads(path.read_text())
+
+
+def check_layout(data_dir, layout):
+    """A KitError unless the prepared image folder holds ``layout``."""
+    # a folder prepared before --files existed holds both layouts
+    if layout not in read_meta(data_dir).get("layouts", ["files", "shards"]):
+        raise KitError(f"--layout {layout}: {data_dir} holds shards only; use --layout shards, or "
+                       f"prepare the images again with --files")

@@ -298,7 +298,7 @@ def parse_args(argv=None):
 
 
 def check_args(args):
-    images.read_meta(args.data)
+    images.check_layout(args.data, args.layout)
     if args.warmup_steps is None:
         args.warmup_steps = min(50, args.max_steps // 10)
     if args.workers < 0:

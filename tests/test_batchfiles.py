@@ -47,8 +47,8 @@ def test_every_stage_and_topology_has_a_file():
     for site in slurm.site_names():
         profile = slurm.load_site(site)
         names = {p.split("/")[-1] for p in BATCH_FILES if p.split("/")[1] == site}
-        expected = {"batch-data.sh", "batch-images.sh", "batch-mlflow-ui.sh",
-                    "batch-std-1n1g.sh"} | {
+        expected = {"batch-data.sh", "batch-images.sh", "batch-course-files.sh",
+                    "batch-autograde.sh", "batch-mlflow-ui.sh", "batch-std-1n1g.sh"} | {
             f"batch-{stage}-{t.name}.sh"
             for stage in ("ddp", "fsdp", "lit", "tp", "pp", "lora", "resnet")
             for t in slurm.topologies_for(stage, profile)}
@@ -279,7 +279,7 @@ def test_an_empty_qos_means_none(tmp_path):
     site = site_from_text(tmp_path, CI_TEXT.replace('qos: ""', "qos:"))
     assert slurm.load_site(site, tmp_path)["qos"] == ""
     files = slurm.expected_files(site, tmp_path)
-    assert len(files) == 36 and "--qos" not in "".join(files.values())
+    assert len(files) == 38 and "--qos" not in "".join(files.values())
 
 
 def test_placeholders_and_a_time_over_the_limit_are_warned_of_before_writing(tmp_path):
@@ -301,12 +301,13 @@ def test_the_command_line_warns_and_names_the_absolute_folder_it_wrote(tmp_path)
     result = subprocess.run([sys.executable, "-m", "coursekit", "batchfiles", "--site", "generic"],
                             capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == f"generic: 36 batch files in {KIT_ROOT / 'batchfiles' / 'generic'}/\n"
+    assert result.stdout == f"generic: 38 batch files in {KIT_ROOT / 'batchfiles' / 'generic'}/\n"
     warnings = result.stderr.splitlines()
     assert all(line.startswith("warning: ") for line in warnings) and len(warnings) == 2
     assert "field 'account' is 'CHANGE_ME'" in warnings[0]
     assert warnings[1].endswith("the jobs without GPUs (batch-data.sh, batch-images.sh, "
-                                "batch-mlflow-ui.sh) go to partition 'gpu': if it takes only jobs "
+                                "batch-course-files.sh, batch-autograde.sh, batch-mlflow-ui.sh) go "
+                                "to partition 'gpu': if it takes only jobs "
                                 "that ask for GPUs, name the site's CPU partition in "
                                 "'cpu_partition'")
 
@@ -372,7 +373,7 @@ def test_each_job_asks_for_the_partition_and_time_of_its_kind(tmp_path):
     files = {name.split("/")[-1]: text for name, text in
              slurm.expected_files(site_from_text(tmp_path, split, "split"), tmp_path).items()}
     for name, text in files.items():
-        kind = ("cpu" if name in ("batch-data.sh", "batch-images.sh", "batch-mlflow-ui.sh") else
+        kind = ("cpu" if name in slurm.CPU_JOBS else
                 "test" if name.startswith("batch-selftest") else
                 "small" if re.search(r"-1n[12]g\.sh$", name) else "medium")
         assert partition_of(text) == {"cpu": "small", "test": "gputest", "small": "gpusmall",
@@ -506,7 +507,8 @@ def write_image_meta(batch_images):
     Path(args.out).mkdir(parents=True)
     (Path(args.out) / "meta.json").write_text(json.dumps(
         {"source": "shapes", "classes": list(images.CLASSES), "size": args.size,
-         "format": args.image_format, "shard_size": args.shard_size, "splits": splits}))
+         "format": args.image_format, "shard_size": args.shard_size,
+         "layouts": ["files", "shards"] if args.files else ["shards"], "splits": splits}))
 
 
 def solution(name):

@@ -156,7 +156,7 @@ def test_an_instruction_set_is_reported_in_examples(tmp_path):
 
 def test_an_image_set_is_reported_in_images(tmp_path):
     directory = tmp_path / "data" / "shapes"
-    images.prepare(directory, count=60, workers=1)
+    images.prepare(directory, count=60, workers=1, files=True)
     files = {split: len(list((directory / "files" / split).rglob("*.jpg")))
              for split in ("train", "val")}
     report = envcheck.report(envcheck.collect(tmp_path))

@@ -1,6 +1,6 @@
 """Lesson 08's images: the kit's shapes are the same bytes however they are drawn, both layouts
-hold the same images, a real data set in ImageNet's folder layout goes through the same code, and
-bad input is one line."""
+hold the same images, a file per image only on request, a real data set in ImageNet's folder
+layout goes through the same code, and bad input is one line."""
 import csv
 import hashlib
 import io
@@ -24,14 +24,29 @@ def digests(folder):
 @pytest.fixture(scope="module")
 def shapes(tmp_path_factory):
     out = tmp_path_factory.mktemp("shapes") / "data"
-    return out, images.prepare(out, count=60, shard_size=25, workers=1)
+    return out, images.prepare(out, count=60, shard_size=25, workers=1, files=True)
 
 
 def test_the_shapes_are_the_same_bytes_however_many_processes_draw_them(shapes, tmp_path):
     out, meta = shapes
-    again = images.prepare(tmp_path / "again", count=60, shard_size=25, workers=2)
+    again = images.prepare(tmp_path / "again", count=60, shard_size=25, workers=2, files=True)
     assert again == meta
     assert digests(tmp_path / "again") == digests(out)
+
+
+def test_without_files_the_command_writes_the_same_shards_and_no_file_per_image(shapes, tmp_path):
+    """A quota counts files: 100,000 images are a few hundred shards, or 100,000 files more."""
+    out, meta = shapes
+    result = subprocess.run([sys.executable, "-m", "coursekit", "images", "prepare", "--out",
+                             str(tmp_path / "lean"), "--count", "60", "--shard-size", "25",
+                             "--workers", "1"], capture_output=True, text=True, cwd=KIT_ROOT)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "train 60 images in 3 shard(s)" in result.stdout and "file per image" not in result.stdout
+    lean = images.read_meta(tmp_path / "lean")
+    assert not (tmp_path / "lean" / "files").exists()
+    assert (lean["layouts"], meta["layouts"]) == (["shards"], ["files", "shards"])
+    assert digests(tmp_path / "lean" / "shards") == digests(out / "shards")
+    assert {**lean, "layouts": None} == {**meta, "layouts": None}
 
 
 def test_every_class_has_its_share_in_both_splits(shapes):
@@ -70,7 +85,8 @@ def test_an_imagenet_style_folder_goes_through_the_same_code(tmp_path):
         for n in range(10):
             _, image = images.shape_image("train", n, 48)
             image.save(source / name / f"{n}.png")
-    meta = images.prepare(tmp_path / "out", source=source, size=16, shard_size=100, workers=1)
+    meta = images.prepare(tmp_path / "out", source=source, size=16, shard_size=100, workers=1,
+                          files=True)
     assert meta["classes"] == ["cats", "dogs"] and meta["size"] == 16
     assert {split: s["images"] for split, s in meta["splits"].items()} == {"train": 18, "val": 2}
     rows = list(csv.DictReader(open(tmp_path / "out" / "files" / "val" / "index.csv")))

@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 CI = slurm.load_site("ci")
 CI_FILES = sorted(p.name for p in (KIT_ROOT / "batchfiles" / "ci").glob("*.sh"))
 TRAINING_FILES = [name for name in CI_FILES
-                  if name not in ("batch-data.sh", "batch-images.sh", "batch-mlflow-ui.sh")
+                  if name not in slurm.CPU_JOBS
                   and not name.startswith(("batch-lora", "batch-hpo", "batch-selftest", "batch-ray"))]
 LORA_FILES = [name for name in CI_FILES if name.startswith("batch-lora")]
 # Slurm runs every launch once, not every file, each on as few processes as show it: std on 1;
@@ -161,7 +161,7 @@ def builtin_in_kit():
 def shapes_in_kit():
     """The ci profile's resnet jobs train on data/shapes, as lesson 08 prepares it."""
     if not (KIT_ROOT / CI["images"] / "meta.json").exists():
-        images.prepare(KIT_ROOT / CI["images"], workers=1)
+        images.prepare(KIT_ROOT / CI["images"], workers=1, files=True)
 
 
 def slurm_env(cluster, conf=None):
@@ -363,7 +363,7 @@ def test_a_split_sites_files_each_land_in_a_partition_that_takes_them(cluster, s
         path = tmp_path / name.split("/")[-1]
         path.write_text(text)
         landed[path.name] = assert_lands_where_it_asks(cluster, path, profile)
-    assert {landed[f"batch-{job}.sh"] for job in ("data", "images", "mlflow-ui")} == {"small"}
+    assert {landed[job] for job in slurm.CPU_JOBS} == {"small"}
     assert {landed["batch-ddp-1n1g.sh"], landed["batch-ddp-1n2g.sh"]} == {"gpusmall"}
     assert {landed["batch-ddp-1n4g.sh"], landed["batch-ddp-2n2g.sh"]} == {"gpumedium"}
     assert {landed["batch-selftest-1n4g.sh"], landed["batch-selftest-2n2g.sh"]} == {"gputest"}
@@ -439,6 +439,34 @@ def test_images_job_draws_the_same_images_again(cluster, shapes_in_kit):
     made = sorted(p.relative_to(out) for p in out.rglob("*") if p.is_file())
     assert made == sorted(p.relative_to(kit) for p in kit.rglob("*") if p.is_file())
     assert [p for p in made if (out / p).read_bytes() != (kit / p).read_bytes()] == []
+
+
+def test_course_files_job_makes_what_the_lessons_read(cluster):
+    """`make course-files` in a job, in the kit where `make test` made them before the tests: the
+    job's environment runs make and its targets, which end up (still) complete."""
+    job_id = submit(cluster, "batch-course-files.sh")
+    status, _ = wait_for_job(cluster, job_id)
+    log = (cluster["logs"] / f"batch-course-files.sh.{job_id}.out").read_text()
+    assert status == 0, log[-3000:]
+    made = ["data/builtin/meta.json", "data/instruct/meta.json", "data/shapes/meta.json",
+            "models/kit-tiny/config.json", "models/kit-embed/modules.json"]
+    assert [name for name in made if not (KIT_ROOT / name).is_file()] == []
+
+
+@pytest.mark.parametrize("args, line", [
+    ((), "usage: sbatch batchfiles/ci/batch-autograde.sh LESSON [--root COURSE_DIR]"),
+    (("99-none",), f"error: '99-none' is not a lesson of the course in {KIT_ROOT}: choose from "
+                   "00-gpus-and-hpc, "),
+    (("02-ddp", "--root", "/nonexistent"), "error: '02-ddp' is not a lesson of the course in "
+                                           "/nonexistent: choose from (none: "),
+], ids=["no-lesson", "not-a-lesson", "no-course"])
+def test_autograde_job_passes_its_arguments_to_autograde(cluster, args, line):
+    """The job's arguments reach `coursekit autograde` word for word, whose refusals (its
+    grading is tested in test_grading.py) come back in one line: the job ran the kit's command."""
+    job_id = submit(cluster, "batch-autograde.sh", args=args)
+    status, _ = wait_for_job(cluster, job_id)
+    log = (cluster["logs"] / f"batch-autograde.sh.{job_id}.out").read_text()
+    assert status != 0 and log.startswith(line) and log.count("\n") == 1, log[-3000:]
 
 
 def test_mlflow_ui_job_serves_the_tracking_store_to_its_owner_on_loopback_only(cluster):

@@ -20,7 +20,7 @@ SMALL = ["--width", "16", "--batch-size", "32", "--lr", "0.2", "--device", "cpu"
 @pytest.fixture(scope="session")
 def shapes(tmp_path_factory):
     """The kit's images, as `coursekit images prepare` writes them: 6,000 for training."""
-    return made_once(tmp_path_factory, "shapes", lambda out: images.prepare(out, workers=1))
+    return made_once(tmp_path_factory, "shapes", lambda out: images.prepare(out, workers=1, files=True))
 
 
 def test_two_processes_learn_the_shapes_from_shards(shapes, tmp_path):
@@ -85,6 +85,18 @@ def test_missing_images_say_how_to_prepare_them(tmp_path, capsys):
         stages.load_script(RESNET).parse_args(["--data", str(tmp_path / "none")])
     assert (f"no prepared images in {tmp_path / 'none'} (meta.json missing): run `python -m "
             f"coursekit images prepare --out {tmp_path / 'none'}`") in capsys.readouterr().err
+
+
+def test_the_files_layout_of_images_prepared_as_shards_only_is_one_line(tmp_path, capsys):
+    images.prepare(tmp_path / "lean", count=20, shard_size=10, workers=1)
+    capsys.readouterr()  # the progress bars
+    with pytest.raises(SystemExit) as stopped:
+        stages.load_script(RESNET).parse_args(["--data", str(tmp_path / "lean"), "--layout", "files"])
+    stderr = capsys.readouterr().err
+    assert stopped.value.code == 2, stderr
+    assert stderr.count("\n") == 1, stderr
+    assert stderr.endswith(f"error: --layout files: {tmp_path / 'lean'} holds shards only; use "
+                           "--layout shards, or prepare the images again with --files\n")
 
 
 def test_more_shard_readers_than_shards_stop_the_script_with_one_line(shapes, tmp_path):

@@ -24,4 +24,4 @@ export SRUN_CPUS_PER_TASK="$SLURM_CPUS_PER_TASK"
 export OMP_NUM_THREADS=$SLURM_CPUS_PER_TASK  # the CPU cores each process was given
 # this job is the one that downloads: the profile's offline switches are for training
 unset HF_HUB_OFFLINE HF_DATASETS_OFFLINE
-python -m coursekit images prepare --out data/shapes --workers "$SLURM_CPUS_PER_TASK"
+python -m coursekit images prepare --out data/shapes --files --workers "$SLURM_CPUS_PER_TASK"

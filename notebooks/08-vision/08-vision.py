@@ -64,7 +64,7 @@ from solutions.resnet import ResNet
 
 DATA = KIT_ROOT / "data" / "shapes"
 if not (DATA / "meta.json").exists():  # the kit's images: drawn in seconds, once
-    images.prepare(DATA)
+    images.prepare(DATA, files=True)
 META = images.read_meta(DATA)
 stage = stages.load_script(KIT_ROOT / "solutions" / "train_resnet_ddp.py")  # the lesson's stage
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -105,10 +105,11 @@ plt.show()
 # %% [markdown]
 # ## Two layouts on disk
 #
-# The same encoded images are written twice:
+# The same encoded images are written twice (`images prepare --files`; without it, shards only):
 #
 # - one file per image, `files/train/<class>/<n>.jpg`, found through an index
-#   (`files/train/index.csv`): what a data set looks like when you download it;
+#   (`files/train/index.csv`): what a data set looks like when you download it, and a file each
+#   against the quota most sites set on file counts as well as bytes;
 # - **shards**: the images in order inside a few large tar files, `shards/train-000000.tar`, ...,
 #   in the layout of the **WebDataset** library: each image's bytes next to its label, under the
 #   same key.
@@ -456,8 +457,8 @@ for name, metrics in (("1 process", one), (f"{NPROC} processes", two)):
 # little about a GPU node.
 #
 # On a cluster, `batchfiles/<site>/batch-images.sh` prepares the images (the real sites' profiles
-# draw the shapes at ImageNet's 224 pixels; point it at ImageNet itself with `--source`) and
-# `batch-resnet-<N>n<G>g.sh` trains on them, with a loader worker per core.
+# draw the shapes at ImageNet's 224 pixels, as shards only; point it at ImageNet itself with
+# `--source`) and `batch-resnet-<N>n<G>g.sh` trains on them, with a loader worker per core.
 #
 # ## Large batches: warm-up and layer-wise learning rates
 #
