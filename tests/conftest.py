@@ -12,6 +12,7 @@ import fcntl
 import getpass
 import os
 import pwd
+import re
 import shutil
 import subprocess
 import sys
@@ -108,8 +109,11 @@ def strict_checks():
     return os.environ.get("CI", "").lower() not in ("", "0", "false") or os.geteuid() == 0
 
 
-#: (test id, reason) of every test skipped in this session, with and without the gpu marker.
-GPU_SKIPS, OTHER_SKIPS = [], []
+#: (test id, reason) of every test skipped in this session, with and without the gpu marker, and
+#: of every expected failure (pytest's xfail; strict, so an unexpected pass fails).
+GPU_SKIPS, OTHER_SKIPS, XFAILS = [], [], []
+#: Why a gpu test may skip: no GPU at all, or fewer than it needs (the reason says how many).
+GPU_SKIP_REASONS = re.compile(r"no CUDA device$|needs \d+ GPUs\b")
 
 
 def pytest_runtest_setup(item):
@@ -123,9 +127,13 @@ def pytest_runtest_setup(item):
 def pytest_runtest_logreport(report):
     # Under pytest-xdist the main process gets every worker's reports here, with their markers
     # among the keywords.
-    if report.skipped and not hasattr(report, "wasxfail"):  # an expected failure is no skip
-        skips = GPU_SKIPS if "gpu" in report.keywords else OTHER_SKIPS
-        skips.append((report.nodeid, skip_reason(report)))
+    if hasattr(report, "wasxfail"):  # an expected failure is no skip, but it is counted
+        if report.skipped:
+            XFAILS.append((report.nodeid, report.wasxfail))
+    elif report.skipped:
+        reason = skip_reason(report)
+        allowed = "gpu" in report.keywords and GPU_SKIP_REASONS.match(reason)
+        (GPU_SKIPS if allowed else OTHER_SKIPS).append((report.nodeid, reason))
 
 
 def pytest_collectreport(report):
@@ -163,16 +171,17 @@ def report_screenshots(terminalreporter):
 
 
 def report_skips(terminalreporter):
-    """The number of skips, always; the skips outside the gpu marker under a banner."""
+    """The number of skips and expected failures, always; the skips other than a gpu test's for
+    want of GPUs under a banner."""
     count = (f"{len(GPU_SKIPS) + len(OTHER_SKIPS)} skipped "
-             f"({len(GPU_SKIPS)} marked gpu, {len(OTHER_SKIPS)} not)")
+             f"({len(GPU_SKIPS)} marked gpu, {len(OTHER_SKIPS)} not), {len(XFAILS)} xfailed")
     if not OTHER_SKIPS:
         terminalreporter.write_sep("=", count, green=True)
         return
     verdict = ("which fails this run (CI or root)" if strict_checks() else
                "allowed only because this run is not CI and not root; CI fails on them")
-    terminalreporter.write_sep("!", f"{count}: only gpu tests may skip, {verdict}", red=True,
-                               bold=True)
+    terminalreporter.write_sep("!", f"{count}: only gpu tests may skip, for want of GPUs, "
+                                    f"{verdict}", red=True, bold=True)
     for nodeid, reason in OTHER_SKIPS:
         terminalreporter.write_line(f"SKIPPED {nodeid}: {reason}", red=True)
 

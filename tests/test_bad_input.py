@@ -11,6 +11,8 @@ import pytest
 
 from coursekit import KIT_ROOT, KitError, cli, course, distributed, faults, stages, watchdog
 
+pytestmark = pytest.mark.unit
+
 SHARED = [(["--micro-batch", "0"], "argument --micro-batch: expected a positive integer, got 0"),
           (["--device", "tpu"], "argument --device: invalid choice: 'tpu' (choose from 'auto', "
                                 "'cuda', 'xpu', 'cpu')"),
@@ -49,11 +51,6 @@ COMMAND_CASES = [
      "from (none: give the course root with --root)"),
     (["exchange", "create", "/nonexistent/exchange", "--group", "no-such-group"],
      "error: --group 'no-such-group' is not a Unix group here"),
-    (["exchange", "create", "/tmp", "--group", "root"], "error: /tmp exists: the exchange is "
-                                                        "made once, in a new folder"),
-    (["exchange", "create", "/tmp/kit-exchange-test", "--group", "root"],
-     "error: /tmp (group root, mode 1777) must be of group root, which must reach it but not "
-     "write in it, and closed to others"),
 ]
 
 
@@ -72,6 +69,8 @@ def scripts():
     return {stage: stages.load(stage) for stage in ("ddp", "fsdp", "tp", "pp")}
 
 
+@pytest.mark.stages  # each case reads a 20-step run of the std stage, which it must leave alone
+@pytest.mark.slow
 @pytest.mark.parametrize("stage, args, message", STAGE_CASES,
                          ids=[f"{s} {' '.join(a)}" for s, a, _ in STAGE_CASES])
 def test_a_distributed_stage_refuses_a_bad_value_and_leaves_the_run_alone(
@@ -151,6 +150,27 @@ def test_a_gate_its_group_can_write_in_is_refused_with_its_mode(tmp_path, capsys
     stderr = capsys.readouterr().err
     assert stderr.startswith(f"error: {gate} (group {group}, mode 2770) must be of group {group}, "
                              "which must reach it but not write in it") and one_line(stderr)
+    assert not (gate / "exchange").exists()
+
+
+def test_an_exchange_that_exists_is_refused(tmp_path, capsys):
+    (tmp_path / "exchange").mkdir()
+    assert cli.main(["exchange", "create", str(tmp_path / "exchange"), "--group", "root"]) == 2
+    stderr = capsys.readouterr().err
+    assert stderr == (f"error: {tmp_path / 'exchange'} exists: the exchange is made once, in a new "
+                      "folder\n")
+
+
+def test_a_gate_everyone_can_write_in_is_refused_with_its_mode(tmp_path, capsys):
+    """A gate such as /tmp (1777): anyone could rename the exchange and put one in its place."""
+    gate = tmp_path / "open"
+    gate.mkdir()
+    gate.chmod(0o1777)
+    assert cli.main(["exchange", "create", str(gate / "exchange"), "--group", "root"]) == 2
+    stderr = capsys.readouterr().err
+    assert stderr.startswith(f"error: {gate} (group {group_of(gate)}, mode 1777) must be of group "
+                             "root, which must reach it but not write in it, and closed to "
+                             "others") and one_line(stderr)
     assert not (gate / "exchange").exists()
 
 

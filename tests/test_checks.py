@@ -14,7 +14,12 @@ import pytest
 from coursekit import KIT_ROOT
 
 PLAIN_SKIP = "def test_skips():\n    pytest.skip('no reason to run')\n"
-GPU_SKIP = "@pytest.mark.gpu\ndef test_skips_on_gpu():\n    pytest.skip('no CUDA here')\n"
+GPU_SKIP = "@pytest.mark.gpu\ndef test_skips_on_gpu():\n    pytest.skip('no CUDA device')\n"
+GPU_SKIP_FEW = "@pytest.mark.gpu\ndef test_skips_on_one_gpu():\n    pytest.skip('needs 2 GPUs; 1 here')\n"
+GPU_SKIP_OTHER = ("@pytest.mark.gpu\n@pytest.mark.skip(reason='flaky')\n"  # before the GPU check
+                  "def test_skips_for_its_own_reason():\n    pass\n")
+XFAIL = "@pytest.mark.xfail(reason='a known bug')\ndef test_fails():\n    assert False\n"
+XPASS = "@pytest.mark.xfail(reason='a known bug')\ndef test_passes_after_all():\n    assert True\n"
 MODULE_SKIP = "pytest.importorskip('kit_no_such_module')\n"
 PASSES = "def test_passes():\n    assert True\n"
 
@@ -35,12 +40,17 @@ def run_pytest(folder, tests, env=None):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("tests, returncode, count", [
-    ([PLAIN_SKIP, PASSES], 1, "1 skipped (0 marked gpu, 1 not)"),
-    ([MODULE_SKIP, PASSES], 1, "1 skipped (0 marked gpu, 1 not)"),
-    ([GPU_SKIP, PASSES], 0, "1 skipped (1 marked gpu, 0 not)"),
-    ([PASSES], 0, "0 skipped (0 marked gpu, 0 not)"),
-], ids=["plain-skip", "module-skip", "gpu-skip", "no-skip"])
-def test_on_ci_only_gpu_tests_may_skip(tmp_path, tests, returncode, count):
+    ([PLAIN_SKIP, PASSES], 1, "1 skipped (0 marked gpu, 1 not), 0 xfailed"),
+    ([MODULE_SKIP, PASSES], 1, "1 skipped (0 marked gpu, 1 not), 0 xfailed"),
+    ([GPU_SKIP, PASSES], 0, "1 skipped (1 marked gpu, 0 not), 0 xfailed"),
+    ([GPU_SKIP_FEW, PASSES], 0, "1 skipped (1 marked gpu, 0 not), 0 xfailed"),
+    ([GPU_SKIP_OTHER, PASSES], 1, "1 skipped (0 marked gpu, 1 not), 0 xfailed"),
+    ([XFAIL, PASSES], 0, "0 skipped (0 marked gpu, 0 not), 1 xfailed"),
+    ([XPASS, PASSES], 1, "0 skipped (0 marked gpu, 0 not), 0 xfailed"),
+    ([PASSES], 0, "0 skipped (0 marked gpu, 0 not), 0 xfailed"),
+], ids=["plain-skip", "module-skip", "gpu-skip", "gpu-skip-too-few", "gpu-skip-other-reason",
+        "xfail", "xpass-is-strict", "no-skip"])
+def test_on_ci_only_gpu_tests_may_skip_for_want_of_gpus(tmp_path, tests, returncode, count):
     run = run_pytest(tmp_path, tests, env={"CI": "true"})
     assert run.returncode == returncode, run.stdout[-3000:] + run.stderr[-2000:]
     assert count in run.stdout, run.stdout[-3000:]

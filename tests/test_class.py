@@ -401,6 +401,7 @@ def formgrader(class_run):
             server.wait(timeout=30)
 
 
+@pytest.mark.browser  # Chromium drives the formgrader in JupyterLab
 def test_the_formgrader_shows_the_scores_and_a_comment_reaches_the_feedback(browser, formgrader,
                                                                              class_run):
     """The instructor's review, from JupyterLab: the formgrader lists the two graded submissions

@@ -105,10 +105,12 @@ def test_an_imagenet_style_folder_goes_through_the_same_code(tmp_path):
 ], ids=["not-empty", "no-source", "no-classes", "format"])
 def test_bad_input_is_one_line_and_overwrites_nothing(tmp_path, make, kwargs, message):
     make(tmp_path)
+    before = digests(tmp_path), sorted(tmp_path.rglob("*"))
     kwargs = {key: value.format(d=tmp_path) for key, value in kwargs.items()}
     with pytest.raises(KitError) as error:
         images.prepare(tmp_path / "out", count=10, **kwargs)
     assert str(error.value).startswith(message.format(d=tmp_path))
+    assert (digests(tmp_path), sorted(tmp_path.rglob("*"))) == before  # nothing written or made
 
 
 def test_the_command_line_reports_a_bad_source_in_one_line(tmp_path):

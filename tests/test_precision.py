@@ -78,7 +78,7 @@ def test_the_loss_makes_no_fp32_copy_of_16_bit_logits():
     """The log-softmax reads bf16 logits and writes fp32 log-probabilities: 4 bytes a logit on
     top of the logits, where an fp32 copy first would take 8 (13 GB more for GPT-2 at B = 64)."""
     if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU here")
+        pytest.skip("no CUDA device")
     from solutions import gpt
     logits = torch.randn(4, 1024, 50304, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     targets = torch.randint(0, 50304, (4, 1024), device="cuda")
@@ -93,7 +93,7 @@ def test_the_loss_makes_no_fp32_copy_of_16_bit_logits():
 @pytest.mark.gpu
 def test_this_gpu_trains_in_the_format_its_hardware_computes_in():
     if not torch.cuda.is_available():
-        pytest.skip("no CUDA GPU here")
+        pytest.skip("no CUDA device")
     device = torch.device("cuda", 0)
     precision = training.prepare_device(device)
     if torch.version.hip:

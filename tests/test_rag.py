@@ -133,11 +133,6 @@ def test_a_prompt_fits_the_models_context(base_run, question_set, chunks):
     assert re.search(r"### Input:\n", rag.prompt_for(question, [], tokenizer, 100)) is None
 
 
-@pytest.mark.stages
-@pytest.mark.slow
-
-
-
 @pytest.mark.slow  # the base model is trained first where `make` has not
 def test_answers_generated_in_padded_batches_are_those_of_one_prompt_at_a_time(base_run,
                                                                                question_set,
