@@ -210,14 +210,13 @@ def keep_freed_cpu_memory():
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, largest_int))
 
 
-def cpu_peak_estimate(cores=None):
+def cpu_peak_estimate(cores=None, cpuinfo=Path("/proc/cpuinfo")):
     """Theoretical fp32 peak FLOP/s of this CPU: cores x clock x FLOPs per cycle per core.
 
     FLOPs per cycle from the vector units /proc/cpuinfo reports: two AVX-512 FMA units do
     2 x 16 lanes x 2 (multiply + add) = 64; two AVX2 FMA units 32; plain SSE about 8. Some CPUs
     have one AVX-512 unit, so this is an upper estimate. None where /proc/cpuinfo is missing.
     """
-    cpuinfo = Path("/proc/cpuinfo")
     if not cpuinfo.exists():
         return None
     fields = dict(line.split(":", 1) for line in cpuinfo.read_text().splitlines() if ":" in line)

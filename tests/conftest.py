@@ -421,13 +421,24 @@ def std_stdout(run_dir):
     return run_dir.with_suffix(".stdout").read_text()
 
 
+def made_in_kit(tmp_path_factory, target):
+    """`make target` in the kit, by one pytest-xdist worker at a time: the first that finds it
+    missing or stale makes it, while the others wait on the lock, then find it made."""
+    lock = os.open(session_folder(tmp_path_factory, "make-in-kit"), os.O_RDONLY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run(["make", target], cwd=KIT_ROOT, check=True, capture_output=True,
+                       timeout=900)
+    finally:
+        os.close(lock)  # and with it the lock
+
+
 @pytest.fixture(scope="session")
-def base_run():
+def base_run(tmp_path_factory):
     """The std stage's full tiny run as `make book` trains it (300 steps, the pretrained model of
     lesson 05): made by `make` before the tests and the lessons (the Makefile's BASE_MODEL), here
     too if it is missing. Its run directory, runs/base-tiny; tests only read it."""
-    subprocess.run(["make", "models/kit-tiny/config.json"], cwd=KIT_ROOT, check=True,
-                   capture_output=True, timeout=900)
+    made_in_kit(tmp_path_factory, "models/kit-tiny/config.json")
     return KIT_ROOT / "runs" / "base-tiny"
 
 
@@ -509,11 +520,10 @@ def http_get(url, login=None, headers=None):
 
 
 @pytest.fixture(scope="session")
-def kit_embedder(base_run):
+def kit_embedder(base_run, tmp_path_factory):
     """Lesson 09's dense embedder, as `make` trains it (the Makefile's EMBED_MODEL), here too if it
     is missing or older than the documents; its directory. Tests only read it."""
-    subprocess.run(["make", "models/kit-embed/modules.json"], cwd=KIT_ROOT, check=True,
-                   capture_output=True, timeout=900)
+    made_in_kit(tmp_path_factory, "models/kit-embed/modules.json")
     return KIT_ROOT / "models" / "kit-embed"
 
 

@@ -1,5 +1,6 @@
 """export-hf: a std, ddp, fsdp, tp or pp run becomes a Hugging Face GPT-2 directory whose logits, greedy
 generations and token ids are the kit's; bad input gets a one-line error."""
+import shutil
 import subprocess
 import sys
 import warnings
@@ -167,8 +168,12 @@ def test_non_empty_out_needs_force_which_replaces_it(std_run, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # nothing left beside it
 
 
-def test_out_dir_that_is_the_run_is_refused_even_with_force(std_run):
-    assert_one_line_error(export_hf(std_run, std_run, "--force"), std_run, "run directory")
+def test_out_dir_that_is_the_run_is_refused_even_with_force(std_run, tmp_path):
+    run = tmp_path / "run"  # a copy: were it not refused, --force would empty the shared run
+    shutil.copytree(std_run, run)
+    assert_one_line_error(export_hf(run, run, "--force"), run, "run directory")
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == \
+        sorted(p.relative_to(std_run) for p in std_run.rglob("*"))
     assert runs.latest_checkpoint(std_run).is_dir()
 
 

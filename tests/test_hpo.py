@@ -133,8 +133,8 @@ def test_interrupted_trial_is_queued_and_resumed_from_its_checkpoint(builtin, tm
     budget = ["--trials", "1", "--max-steps", "20", "--eval-interval", "10", "--pruner", "none",
               "--train-args", "--eval-steps 2 --ckpt-interval 2"]
     driver = hpo("--study-dir", str(study_dir), *budget, stdout=subprocess.PIPE,
-                 stderr=subprocess.STDOUT)
-    wait_for_first_checkpoint(driver, study_dir / "trials" / "0000")
+                 stderr=subprocess.STDOUT, env=held_at(HOLD_AT))
+    wait_for_held_step(driver, study_dir / "trials" / "0000")
     driver.send_signal(signal.SIGTERM)
     output = driver.communicate(timeout=300)[0]
     assert driver.returncode == 0, output
@@ -142,8 +142,7 @@ def test_interrupted_trial_is_queued_and_resumed_from_its_checkpoint(builtin, tm
     first, queued = load_trials(study_dir)
     assert first.state == TrialState.FAIL and first.user_attrs["interrupted"]
     assert queued.state == TrialState.WAITING
-    stopped_at = runs.read_metrics(study_dir / "trials" / "0000")[-1]["step"]
-    assert 2 <= stopped_at < 20
+    assert HOLD_AT <= runs.read_metrics(study_dir / "trials" / "0000")[-1]["step"] < 20
 
     result = hpo("--study-dir", str(study_dir), *budget)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -167,8 +166,8 @@ def test_a_trial_whose_worker_is_killed_is_queued_again_after_its_lease(builtin,
     budget = ["--trials", "1", "--max-steps", "20", "--eval-interval", "10", "--pruner", "none",
               "--lease", str(lease), "--train-args", "--eval-steps 2 --ckpt-interval 2"]
     driver = hpo("--study-dir", str(study_dir), *budget, stdout=subprocess.PIPE,
-                 stderr=subprocess.STDOUT)
-    wait_for_first_checkpoint(driver, study_dir / "trials" / "0000")
+                 stderr=subprocess.STDOUT, env=held_at(HOLD_AT))
+    wait_for_held_step(driver, study_dir / "trials" / "0000")
     driver.kill()
     driver.wait()
     [lost] = load_trials(study_dir)
@@ -189,14 +188,28 @@ def test_a_trial_whose_worker_is_killed_is_queued_again_after_its_lease(builtin,
     assert log.count("step 1/20 ") == 1 and "SIGTERM received: checkpoint saved" in log
 
 
-def wait_for_first_checkpoint(driver, run_dir):
-    """Wait until the trial's trainer has published its step-2 checkpoint. The trainer writes to
-    a log file, not to a pipe that could be read line by line, so the run directory is looked at
-    every 20 ms; from this state the trainer still has 18 steps, a validation and 9 checkpoints
-    to go, far longer than the look."""
-    while runs.latest_checkpoint(run_dir) is None:
+# The step after which the trainer is stopped: after the checkpoint of step 2, before its last
+# step. It holds there until the signal reaches it (tests/slurm/hold/sitecustomize.py, as the
+# Slurm tests' jobs do), so the test cannot lose a race with a fast trainer.
+HOLD_AT = 4
+
+
+def held_at(step):
+    """The environment of a driver whose trainers hold after the line of ``step`` until a stop
+    signal reaches them (the driver itself prints no step line)."""
+    path = os.pathsep.join(filter(None, [str(KIT_ROOT / "tests" / "slurm" / "hold"),
+                                         os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, "KIT_HOLD_AT_STEP": str(step)}
+
+
+def wait_for_held_step(driver, run_dir):
+    """Wait until the trial's trainer holds after the line of step HOLD_AT. It writes to a log
+    file, not a pipe that could be read line by line, so the log is looked at every 0.2 s: how
+    often decides only how soon the test goes on, since the trainer waits for its signal."""
+    log = run_dir / "train.log"
+    while not (log.exists() and f"step {HOLD_AT}/" in log.read_text()):
         assert driver.poll() is None, driver.stdout.read()
-        time.sleep(0.02)
+        time.sleep(0.2)
 
 
 def allowed(distribution, value):

@@ -75,6 +75,15 @@ def test_mfu_arithmetic():
     assert perf.mfu(100_000, 8.5e8, 312e12) == pytest.approx(0.2724, abs=1e-4)
 
 
+@pytest.mark.parametrize("flags, per_cycle", [("fpu sse2 avx avx2 fma avx512f", 64),
+                                              ("fpu sse2 avx avx2 fma", 32), ("fpu sse2", 8)])
+def test_cpu_peak_estimate_is_cores_times_clock_times_flops_per_cycle(tmp_path, flags, per_cycle):
+    """Against the arithmetic done by hand for a 2.5 GHz CPU's /proc/cpuinfo."""
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(f"processor\t: 0\ncpu MHz\t\t: 2500.000\nflags\t\t: {flags}\n")
+    assert perf.cpu_peak_estimate(4, cpuinfo) == 4 * 2.5e9 * per_cycle
+
+
 def test_cpu_peak_estimate_bounds_the_measured_matmul():
     estimate = perf.cpu_peak_estimate()
     measured = perf.measure_matmul_flops("cpu")

@@ -106,12 +106,18 @@ def test_this_gpu_trains_in_the_format_its_hardware_computes_in():
     assert product.dtype == precision.dtype
 
 
-@pytest.mark.parametrize("flags, compiled", [([], False), (["--compile"], True),
-                                             (["--no-compile"], False)])
-def test_compile_is_on_by_default_only_on_gpus(builtin_data, tmp_path, flags, compiled):
-    """On this CPU the default is off (compiling costs more than it saves here); on a GPU it is
-    on, and --no-compile turns it off (parse_args' rule: on where CUDA runs the model)."""
+@pytest.mark.parametrize("device, cuda, flags, compiled", [
+    ("cpu", False, [], False), ("cpu", False, ["--compile"], True),
+    ("auto", False, [], False), ("auto", True, [], True), ("auto", True, ["--no-compile"], False),
+    ("cpu", True, [], False),
+])
+def test_compile_is_on_by_default_only_on_gpus(builtin_data, tmp_path, monkeypatch, device, cuda,
+                                               flags, compiled):
+    """On a CPU the default is off (compiling costs more than it saves there); where CUDA runs
+    the model (auto with a GPU in sight) it is on, and --no-compile turns it off. Here a GPU is
+    in sight where torch.cuda.is_available() says so."""
     from coursekit import stages
-    args = stages.load("std").parse_args(["--preset", "tiny", "--device", "cpu", "--data",
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    args = stages.load("std").parse_args(["--preset", "tiny", "--device", device, "--data",
                                           str(builtin_data), "--out", str(tmp_path / "r"), *flags])
     assert args.compile is compiled

@@ -41,7 +41,9 @@ def test_a_node_without_a_private_token_is_refused_in_one_line(token, monkeypatc
     assert len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def test_the_head_listens_for_its_dashboard_on_loopback_and_keeps_its_files_apart(tmp_path):
+def test_the_head_asks_for_its_dashboard_on_loopback_and_keeps_its_files_apart(tmp_path):
+    """The command line; the socket a real head binds is checked in test_slurm.py
+    (test_a_ray_cluster_spans_both_nodes_for_its_owner_alone_and_stops_on_sigusr1)."""
     command = raycluster.start_command(tmp_path / "own", head=True, port=6379, cpus=2,
                                        dashboard_port=8765)
     options = dict(zip(command, command[1:]))

@@ -22,7 +22,7 @@ import urllib.request
 import psutil
 import pytest
 
-from conftest import debian_tool, http_get, owner_login
+from conftest import debian_tool, http_get, made_in_kit, owner_login
 from coursekit import KIT_ROOT, data, images, runs, slurm, widgets
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -490,12 +490,13 @@ def test_mlflow_ui_job_serves_the_tracking_store_to_its_owner_on_loopback_only(c
         subprocess.run(["scancel", job_id], env=slurm_env(cluster), check=True)
 
 
-def test_the_selftest_job_trains_every_stage_across_both_nodes(cluster, builtin_in_kit):
-    """The self-test as an instructor submits it, across 2 nodes, with the stages of its two
-    launches across nodes: ddp (srun, a torchrun per node, as fsdp and pp are started) and lit
-    (Lightning, a task per process). Every multi-process run started across both nodes, the
-    reference and one-device runs on the first; its report says so. (On one node, as a GPU session
-    runs it: tests/test_selftest.py.)"""
+def test_the_selftest_job_runs_both_its_launches_across_both_nodes(cluster, builtin_in_kit):
+    """The self-test as an instructor submits it, across 2 nodes, with one stage of each of its
+    two launches across nodes: ddp (srun, a torchrun per node, as fsdp, tp and pp are started,
+    which TRAINING_RUNS run across nodes from their batch files) and lit (Lightning, a task per
+    process). Every multi-process run started across both nodes, the reference and one-device runs
+    on the first; its report says so. (On one node, as a GPU session runs it, with tp:
+    tests/test_selftest.py.)"""
     name = SELFTEST_ACROSS_NODES
     job, command = slurm.selftest_job(CI, slurm.Topology(2, 1)), "python -m coursekit selftest "
     assert job.count(command) == 1
@@ -591,6 +592,10 @@ def test_a_ray_cluster_spans_both_nodes_for_its_owner_alone_and_stops_on_sigusr1
         assert gcs_answers(gcs) == gcs_answers(gcs, "not-the-token") == "UNAUTHENTICATED"
         assert gcs_answers(gcs, token) == 2
         port = re.search(r"dashboard: 127\.0\.0\.1:(\d+) ", text)[1]
+        # the socket the dashboard bound: loopback alone, not every interface of the node
+        bound = {c.laddr.ip for c in psutil.net_connections("inet")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port == int(port)}
+        assert bound == {"127.0.0.1"}, bound
         version = f"http://127.0.0.1:{port}/api/version"
         assert http_get(version)[0] == 401
         assert http_get(version, headers={"Authorization": f"Bearer {token}"})[0] == 200
@@ -639,13 +644,13 @@ def test_every_shape_trains_the_same_model(training):
 
 
 @pytest.fixture(scope="session")
-def lora_training(request, cluster, builtin_in_kit):
+def lora_training(request, cluster, builtin_in_kit, tmp_path_factory):
     """The lora stage's jobs, each run once, as the tests ask, on the model and tasks `make`
     prepares."""
     extensions = KIT_ROOT / ".cache" / "torch_extensions"  # DeepSpeed's CPU op, built once by make
-    subprocess.run(["make", "models/kit-tiny/config.json", "data/instruct/meta.json",
-                    str(extensions / ".complete")],
-                   cwd=KIT_ROOT, check=True, capture_output=True, timeout=900)
+    for target in ("models/kit-tiny/config.json", "data/instruct/meta.json",
+                   ".cache/torch_extensions/.complete"):
+        made_in_kit(tmp_path_factory, target)
     configs = {name: [f"--export=ALL,ACCELERATE_CONFIG=solutions/accelerate/{config}.yaml,"
                       f"TORCH_EXTENSIONS_DIR={extensions}"] for name, config in LORA_CONFIGS.items()}
     jobs = Jobs(cluster, wanted_by(request.session, "lora_training", LORA_RUNS), configs)
@@ -876,12 +881,19 @@ def kill_node(cluster, node):
             pass
 
 
+def queue_is_empty(cluster):
+    return subprocess.run(["squeue", "--noheader", "--format=%i"], env=slurm_env(cluster),
+                          capture_output=True, text=True, check=True).stdout.strip() == ""
+
+
 def test_a_job_whose_node_dies_is_requeued_and_ends_like_an_uninterrupted_one(cluster, training):
     """node2 dies after step 4 of a 2-node job (its checkpoint: step 3). Slurm marks it down when
     its slurmd stops answering (SlurmdTimeout), fails the job's step on node1 and requeues the
     job (--requeue). Once node2 is back, the job runs again, resumes from step 3 and ends with
-    the losses of the run nothing stopped. Last in this file: it takes both nodes, and one away."""
+    the losses of the run nothing stopped. It kills a node: it starts once every other job has
+    ended, wherever it runs in the file, and leaves both nodes up."""
     name, reference = "batch-ddp-2n1g.sh", training.result("batch-ddp-1n2g.sh")[2]
+    wait_until(lambda: queue_is_empty(cluster), 900, "the other jobs did not end")
     shutil.rmtree(run_dir(name), ignore_errors=True)
     job_id = submit(cluster, name, held_at(HOLD_AT))
     log = cluster["logs"] / f"{name}.{job_id}.out"

@@ -82,7 +82,7 @@ def test_a_two_dimensional_checkpoint_resumes_exactly(tp_runs, builtin_data, tmp
     assert f"resumed from {copy / 'ckpt' / 'step_00000005'} at step 5" in result.stdout
     resumed, reference = runs.read_metrics(copy), runs.read_metrics(out)
     assert [r["step"] for r in resumed] == list(range(1, 11))
-    assert losses(resumed[5:]) == pytest.approx(losses(reference[5:]), abs=1e-5)
+    assert losses(resumed[5:]) == losses(reference[5:])  # bit for bit, as std and ddp resume
 
 
 def test_memory_options_keep_the_losses(tp_runs, builtin_data, tmp_path):

@@ -266,16 +266,23 @@ def test_registered_model_loads_back_by_alias(std_tracked, tmp_path):
     marker = tmp_path / "ran"
     code = list(stored.rglob("*.py"))
     assert code  # MLflow keeps the model's code (coursekit/mlflow_model.py) with its files
-    for path in code:
-        path.write_text(f"open({str(marker)!r}, 'w')\n")
-    loaded = registry.load("kit-std@champion", client.tracking_uri)
-    assert loaded.predict(["The"], params={"max_new_tokens": 5}) == [expected]
     [weights] = stored.rglob("model.safetensors")
-    weights.unlink()
-    torch.save({"weights": CreatesFile(marker)}, weights.with_name("pytorch_model.bin"))
-    with pytest.raises(KitError, match="holds no safetensors weights"):
-        registry.load("kit-std@champion", client.tracking_uri)
-    assert not marker.exists()
+    originals = {path: path.read_bytes() for path in [*code, weights]}
+    pickle = weights.with_name("pytorch_model.bin")
+    try:
+        for path in code:
+            path.write_text(f"open({str(marker)!r}, 'w')\n")
+        loaded = registry.load("kit-std@champion", client.tracking_uri)
+        assert loaded.predict(["The"], params={"max_new_tokens": 5}) == [expected]
+        weights.unlink()
+        torch.save({"weights": CreatesFile(marker)}, pickle)
+        with pytest.raises(KitError, match="holds no safetensors weights"):
+            registry.load("kit-std@champion", client.tracking_uri)
+        assert not marker.exists()
+    finally:  # the module's tracked run, as the other tests find it
+        pickle.unlink(missing_ok=True)
+        for path, content in originals.items():
+            path.write_bytes(content)
 
 
 def test_verify_data_names_a_changed_shard(std_tracked, builtin_data, tmp_path):
