@@ -690,31 +690,33 @@ DATA_JOBS = {"batch-data.sh": ("gpt2-data", "data", "data_command"),
 CPU_JOBS = (*DATA_JOBS, "batch-course-files.sh", "batch-autograde.sh", "batch-mlflow-ui.sh")
 
 
+def cpu_job(profile, description, job_name, cores, threads, commands, arguments=""):
+    """A one-task job without GPUs in the profile's CPU partition, with its setup: ``commands``
+    after the preamble, ``threads`` per process."""
+    lines = header(description, profile, profile["name"], arguments)
+    lines += sbatch_lines(profile, cpu_place(profile), job_name, 1, 1, cores, requeue=False)
+    lines += [*job_preamble(profile, threads, cpu_setup(profile)), *commands]
+    return "\n".join(lines) + "\n"
+
+
 def data_job(profile, file):
     """A job that prepares the data the training jobs read, once, with the cores it is given."""
-    site, (job_name, folder, command) = profile["name"], DATA_JOBS[file]
-    lines = header(f"Prepares {profile[folder]} once, before the training jobs.", profile, site)
-    lines += sbatch_lines(profile, cpu_place(profile), job_name, 1, 1, profile["cpus_per_gpu"],
-                          requeue=False)
-    lines += [*job_preamble(profile, "$SLURM_CPUS_PER_TASK", cpu_setup(profile)),
-              "# this job is the one that downloads: the profile's offline switches are for training",
-              "unset HF_HUB_OFFLINE HF_DATASETS_OFFLINE",
-              f'{profile[command]} --workers "$SLURM_CPUS_PER_TASK"']
-    return "\n".join(lines) + "\n"
+    job_name, folder, command = DATA_JOBS[file]
+    return cpu_job(profile, f"Prepares {profile[folder]} once, before the training jobs.",
+                   job_name, profile["cpus_per_gpu"], "$SLURM_CPUS_PER_TASK", [
+                       "# this job is the one that downloads: the profile's offline switches are "
+                       "for training",
+                       "unset HF_HUB_OFFLINE HF_DATASETS_OFFLINE",
+                       f'{profile[command]} --workers "$SLURM_CPUS_PER_TASK"'])
 
 
 def course_files_job(profile):
     """`make course-files` on a compute node: lesson 05's base model alone is minutes of a few
     cores, more than many centres allow on a login node (a core, for minutes, under 1 GiB)."""
-    site = profile["name"]
-    lines = header("Makes the files the lessons read, once per checkout (make course-files): the "
-                   "corpus, lesson 05's base model, lesson 08's images, lesson 09's retriever.",
-                   profile, site)
-    lines += sbatch_lines(profile, cpu_place(profile), "course-files", 1, 1,
-                          profile["cpus_per_gpu"], requeue=False)
-    lines += [*job_preamble(profile, "$SLURM_CPUS_PER_TASK", cpu_setup(profile)),
-              "make course-files"]
-    return "\n".join(lines) + "\n"
+    return cpu_job(profile, "Makes the files the lessons read, once per checkout (make "
+                   "course-files): the corpus, lesson 05's base model, lesson 08's images, lesson "
+                   "09's retriever.", "course-files", profile["cpus_per_gpu"],
+                   "$SLURM_CPUS_PER_TASK", ["make course-files"])
 
 
 #: What an instructor gives the autograde job: the lesson, and where the course is if elsewhere
@@ -722,34 +724,30 @@ AUTOGRADE_USAGE = "LESSON [--root COURSE_DIR]"
 
 
 def autograde_job(profile):
-    """`coursekit autograde` on a compute node: a class of 80 is several minutes of a core, and
-    each notebook's kernel runs in its own sandbox there (coursekit/sandbox.py)."""
-    site = profile["name"]
-    lines = header("Autogrades a lesson's submissions in the course directory, then prints the "
-                   "class summary.", profile, site, f" {AUTOGRADE_USAGE}")
-    # two cores: nbgrader, and the trainee's kernel it grades
-    lines += sbatch_lines(profile, cpu_place(profile), "autograde", 1, 1, 2, requeue=False)
-    lines += [*job_preamble(profile, "1", cpu_setup(profile)),
-              f'test $# -gt 0 || {{ echo "usage: sbatch batchfiles/{site}/batch-autograde.sh '
-              f'{AUTOGRADE_USAGE}" >&2; exit 2; }}',
-              'python -m coursekit autograde "$@"']
-    return "\n".join(lines) + "\n"
+    """`coursekit autograde` on a compute node, on two cores (nbgrader, and the trainee's kernel
+    it grades): a class of 80 is several minutes of a core, and each notebook's kernel runs in its
+    own sandbox there (coursekit/sandbox.py)."""
+    usage = f"sbatch batchfiles/{profile['name']}/batch-autograde.sh {AUTOGRADE_USAGE}"
+    return cpu_job(profile, "Autogrades a lesson's submissions in the course directory, then "
+                   "prints the class summary.", "autograde", 2, "1", [
+                       f'test $# -gt 0 || {{ echo "usage: {usage}" >&2; exit 2; }}',
+                       'python -m coursekit autograde "$@"'], arguments=f" {AUTOGRADE_USAGE}")
 
 
 def mlflow_ui_job(profile):
     """The MLflow UI as a job, bound to the compute node's 127.0.0.1 and behind a password only
     the job's owner can read (coursekit/mlflow_server.py): other users of the node reach
     127.0.0.1 too. The trainee tunnels to it through the login node."""
-    site = profile["name"]
-    lines = header("The MLflow UI over the runs' tracking store (runs/mlflow.db), on the compute "
-                   "node's 127.0.0.1 only, behind your own password.", profile, site)
-    lines += sbatch_lines(profile, cpu_place(profile), "mlflow-ui", 1, 1, 1, requeue=False)
-    lines += [*job_preamble(profile, "$SLURM_CPUS_PER_TASK", cpu_setup(profile)),
-              'echo "scancel $SLURM_JOB_ID when done."',
-              "# the port: one free now, not one another user can work out; the password: in",
-              "# runs/mlflow-server/password, which only you can read (this log names the file)",
-              'exec python -m coursekit mlflow-server --artifacts "$PWD/runs/mlartifacts"']
-    return "\n".join(lines) + "\n"
+    return cpu_job(profile, "The MLflow UI over the runs' tracking store (runs/mlflow.db), on the "
+                   "compute node's 127.0.0.1 only, behind your own password.", "mlflow-ui", 1,
+                   "$SLURM_CPUS_PER_TASK", [
+                       'echo "scancel $SLURM_JOB_ID when done."',
+                       "# the port: one free now, not one another user can work out; the "
+                       "password: in",
+                       "# runs/mlflow-server/password, which only you can read (this log names "
+                       "the file)",
+                       'exec python -m coursekit mlflow-server --artifacts '
+                       '"$PWD/runs/mlartifacts"'])
 
 
 def hpo_topologies(profile):

@@ -421,6 +421,13 @@ def std_stdout(run_dir):
     return run_dir.with_suffix(".stdout").read_text()
 
 
+def held_pythonpath():
+    """PYTHONPATH with tests/slurm/hold first: with KIT_HOLD_AT_STEP=K, every Python process that
+    prints the line of step K waits there until a stop signal reaches it."""
+    return os.pathsep.join(filter(None, [str(KIT_ROOT / "tests" / "slurm" / "hold"),
+                                         os.environ.get("PYTHONPATH")]))
+
+
 def made_in_kit(tmp_path_factory, target):
     """`make target` in the kit, by one pytest-xdist worker at a time: the first that finds it
     missing or stale makes it, while the others wait on the lock, then find it made."""

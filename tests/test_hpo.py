@@ -12,6 +12,7 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
+from conftest import held_pythonpath
 from coursekit import KIT_ROOT, data, presets, runs
 
 SCRIPT = KIT_ROOT / "solutions" / "hpo_optuna.py"
@@ -197,9 +198,7 @@ HOLD_AT = 4
 def held_at(step):
     """The environment of a driver whose trainers hold after the line of ``step`` until a stop
     signal reaches them (the driver itself prints no step line)."""
-    path = os.pathsep.join(filter(None, [str(KIT_ROOT / "tests" / "slurm" / "hold"),
-                                         os.environ.get("PYTHONPATH")]))
-    return {**os.environ, "PYTHONPATH": path, "KIT_HOLD_AT_STEP": str(step)}
+    return {**os.environ, "PYTHONPATH": held_pythonpath(), "KIT_HOLD_AT_STEP": str(step)}
 
 
 def wait_for_held_step(driver, run_dir):

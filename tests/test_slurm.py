@@ -22,7 +22,7 @@ import urllib.request
 import psutil
 import pytest
 
-from conftest import debian_tool, http_get, made_in_kit, owner_login
+from conftest import debian_tool, held_pythonpath, http_get, made_in_kit, owner_login
 from coursekit import KIT_ROOT, data, images, runs, slurm, widgets
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -687,9 +687,7 @@ HOLD_AT = 4
 
 def held_at(step):
     """sbatch's option that makes the job's processes hold after `step` until signalled."""
-    path = os.pathsep.join(filter(None, [str(KIT_ROOT / "tests" / "slurm" / "hold"),
-                                         os.environ.get("PYTHONPATH")]))
-    return f"--export=ALL,PYTHONPATH={path},KIT_HOLD_AT_STEP={step}"
+    return f"--export=ALL,PYTHONPATH={held_pythonpath()},KIT_HOLD_AT_STEP={step}"
 
 
 # The requeue tests' cases: (batch file, how it is stopped). Each way once: Slurm's requeue
