@@ -41,6 +41,7 @@ if "PYTEST_XDIST_WORKER" in os.environ:
 
 from coursekit import KIT_ROOT, data, launch
 from coursekit.launch import free_port  # the tests take it from here
+from helpers import forkserver
 
 
 @pytest.fixture(scope="session")
@@ -149,14 +150,25 @@ def skip_reason(report):
 
 
 def pytest_sessionfinish(session):
+    FORK_SERVER.stop()
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: to the main process
+        session.config.workeroutput["fork_server"] = FORK_SERVER.counts()
     # pytest exits with session.exitstatus as it stands after this hook.
     passing = (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
     if OTHER_SKIPS and strict_checks() and session.exitstatus in passing:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
+def pytest_testnodedown(node, error):
+    WORKERS_FORK_SERVERS.append(node.workeroutput.get("fork_server", {}))
+
+
+WORKERS_FORK_SERVERS = []
+
+
 def pytest_terminal_summary(terminalreporter, config):
     report_screenshots(terminalreporter)
+    report_fork_servers(terminalreporter)
     if not config.option.collectonly:  # nothing ran, nothing skipped
         report_skips(terminalreporter)
 
@@ -168,6 +180,19 @@ def report_screenshots(terminalreporter):
         terminalreporter.write_sep("-", "browser screenshots")
         for path in saved:
             terminalreporter.write_line(str(path))
+
+
+def report_fork_servers(terminalreporter):
+    """How many runs the fork servers forked, and why the others were started as processes."""
+    counts = WORKERS_FORK_SERVERS or [FORK_SERVER.counts()]
+    forked = sum(count.get("forked", 0) for count in counts)
+    refused = {}
+    for count in counts:
+        for reason, number in count.get("refused", {}).items():
+            refused[reason] = refused.get(reason, 0) + number
+    if forked or refused:
+        terminalreporter.write_line(f"fork server: {forked} runs forked, "
+                                    f"{sum(refused.values())} refused: {refused}")
 
 
 def report_skips(terminalreporter):
@@ -330,17 +355,29 @@ def stage_command(script, *args):
     return [sys.executable, str(KIT_ROOT / "solutions" / script), *map(str, args)]
 
 
-def run_stage(script, *args, timeout=600, env=None, **kwargs):
+def run_stage(script, *args, timeout=600, env=None, cwd=KIT_ROOT, **popen):
     """Run a stage script to completion; returns the CompletedProcess (text output)."""
-    return subprocess.run(stage_command(script, *args), capture_output=True, text=True,
-                          timeout=timeout, cwd=kwargs.pop("cwd", KIT_ROOT), env=env or kit_env(),
-                          **kwargs)
+    return run_python(stage_command(script, *args), env or kit_env(), cwd, timeout, **popen)
+
+
+def run_python(command, env, cwd=KIT_ROOT, timeout=600, **popen):
+    """subprocess.run(command, capture_output=True, text=True) for a command that runs a Python
+    script: forked from the fork server, which has torch and the kit imported already
+    (tests/helpers/forkserver.py), or a process of its own where the server refuses the run or
+    where subprocess options (``popen``: a preexec_fn's limits, say) must apply."""
+    result = None if popen else FORK_SERVER.run(command, env, cwd, timeout)
+    return result or subprocess.run(command, capture_output=True, text=True, timeout=timeout,
+                                    cwd=cwd, env=env, **popen)
 
 
 def kit_env(extra=None):
     env = dict(os.environ)
     env.setdefault("TIKTOKEN_CACHE_DIR", str(data.tiktoken_cache_dir()))
     return {**env, **(extra or {})}
+
+
+#: This worker's fork server, started by its first run, stopped at the end of the session.
+FORK_SERVER = forkserver.Server(kit_env())
 
 
 def srun_task_env(procid, ntasks, port):
@@ -391,11 +428,47 @@ def torchrun_command(nproc, script, *args, restarts=0):
 
 
 def torchrun(nproc, script, *args, check=True, restarts=0, env=None):
-    result = subprocess.run(torchrun_command(nproc, script, *args, restarts=restarts),
-                            capture_output=True, text=True, timeout=600, env=env or kit_env())
+    """torchrun's run of ``script`` on ``nproc`` processes. A run expected to succeed without
+    restarts is a group forked from the fork server with the variables torchrun gives its workers
+    (torchrun_worker_env); tests of what torchrun itself does on a failure, a restart or a
+    signal start the real torchrun, as the Slurm tests and the lessons always do."""
+    env = env or kit_env()
+    result = None
+    if check and restarts == 0:
+        result = forked_torchrun(nproc, [sys.executable, str(script), *map(str, args)], env)
+    if result is None:
+        result = subprocess.run(torchrun_command(nproc, script, *args, restarts=restarts),
+                                capture_output=True, text=True, timeout=600, env=env)
     if check:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return result
+
+
+def forked_torchrun(nproc, command, env, attempts=3):
+    """The group of forked workers, or None if the server refuses them. The port that rank 0's
+    store binds was free when chosen; should another process take it first, the group starts
+    again at another (as the kit's batch files do not need to: their port is the job's)."""
+    for _ in range(attempts):
+        port = free_port()
+        envs = [torchrun_worker_env(env, rank, nproc, port) for rank in range(nproc)]
+        result = FORK_SERVER.group([command] * nproc, envs, os.getcwd(), 600)
+        if result is None or "EADDRINUSE" not in result.stderr:
+            return result
+    return result
+
+
+def torchrun_worker_env(env, rank, nproc, port):
+    """What torchrun's static rendezvous gives each worker on one node (torch 2.13,
+    torch/distributed/elastic/agent/server/local_elastic_agent.py), except that rank 0 holds the
+    store, as under `srun python`, since no agent holds it."""
+    threads = {} if nproc == 1 else {"OMP_NUM_THREADS": env.get("OMP_NUM_THREADS", "1")}
+    given = {"RANK": rank, "LOCAL_RANK": rank, "GROUP_RANK": 0, "ROLE_RANK": rank,
+             "ROLE_NAME": "default", "WORLD_SIZE": nproc, "LOCAL_WORLD_SIZE": nproc,
+             "GROUP_WORLD_SIZE": 1, "ROLE_WORLD_SIZE": nproc, "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": port, "TORCHELASTIC_RESTART_COUNT": 0,
+             "TORCHELASTIC_MAX_RESTARTS": 0, "TORCHELASTIC_RUN_ID": "none",
+             "TORCHELASTIC_USE_AGENT_STORE": False, "TORCH_NCCL_ASYNC_ERROR_HANDLING": 1}
+    return {**env, **threads, **{name: str(value) for name, value in given.items()}}
 
 
 def expected_backend():

@@ -25,9 +25,10 @@ PASSES = "def test_passes():\n    assert True\n"
 
 
 def run_pytest(folder, tests, env=None):
-    """pytest on a test file made of `tests`, in `folder` with a copy of the kit's conftest.py and
-    with the kit's pytest settings; returns the CompletedProcess."""
+    """pytest on a test file made of `tests`, in `folder` with a copy of the kit's conftest.py (and
+    the helpers it imports) and with the kit's pytest settings; returns the CompletedProcess."""
     (folder / "conftest.py").write_text((KIT_ROOT / "tests" / "conftest.py").read_text())
+    (folder / "helpers").symlink_to(KIT_ROOT / "tests" / "helpers")
     (folder / "test_sample.py").write_text("import pytest\n\n" + "\n\n".join(tests))
     # no CI variable from this run: each case says whether it is CI
     env = {**{name: value for name, value in os.environ.items() if name != "CI"}, **(env or {})}
