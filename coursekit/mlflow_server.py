@@ -57,14 +57,18 @@ def server_command(store, artifacts, port):
 
 
 def server_environment(state):
-    """MLflow's auth settings: the account, its password and the session key, from STATE."""
+    """MLflow's auth settings: the account, its password and the session key, from STATE. And no
+    job runner: by default the server also starts Huey consumers that run the jobs its API is
+    sent (GenAI evaluations, prompt optimisation), which the course has none of: processes, CPU
+    time and code run on request, for nothing."""
     user = getpass.getuser()
     config = state / "basic_auth.ini"
     config.write_text(AUTH_CONFIG.format(database=(state / "users.db").resolve(), user=user))
     return {**os.environ, "TMPDIR": tempfile.gettempdir(),  # tracking.make_store_private's
             "MLFLOW_AUTH_CONFIG_PATH": str(config),
             "MLFLOW_AUTH_ADMIN_PASSWORD": secret(state / "password"),
-            "MLFLOW_FLASK_SERVER_SECRET_KEY": secret(state / "session-key")}
+            "MLFLOW_FLASK_SERVER_SECRET_KEY": secret(state / "session-key"),
+            "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
 
 
 def how_to_reach(store, port, state):

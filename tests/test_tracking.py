@@ -11,6 +11,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -138,7 +139,7 @@ def served(builtin_data, tmp_path_factory):
         server = start_server(folder, port)
         resumed = run_stage("train_gpt2_std.py", *args, "--resume", env=env)
         yield {"folder": folder, "url": url, "port": port, "owner": owner, "out": out,
-               "interrupted": (status, output, metrics), "resumed": resumed}
+               "interrupted": (status, output, metrics), "resumed": resumed, "server": server}
     finally:
         stop_server(server)
 
@@ -191,6 +192,11 @@ def test_the_kits_mlflow_server_lets_in_its_owner_alone(served):
     assert any((served["folder"] / "server-artifacts").rglob("loss.png"))  # uploaded over HTTP
     log = (served["folder"] / "server.log").read_text()
     assert f"{served['port']} (127.0.0.1 only), for {user} alone" in log and password not in log
+    # and no job runner (MLflow's Huey consumers) among the server's processes
+    processes = [" ".join(child.cmdline())
+                 for child in psutil.Process(served["server"].pid).children(recursive=True)]
+    assert any("uvicorn" in command or "mlflow" in command for command in processes), processes
+    assert not any("huey" in command for command in processes), processes
 
 
 def test_a_tracking_server_that_goes_away_costs_no_step(served):
