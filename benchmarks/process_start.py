@@ -62,7 +62,7 @@ def started(folder, repeat):
 
 def forked(folder, repeat):
     """The same runs forked from one fork server (its start included)."""
-    env, server = kit_env(ONE_THREAD), forkserver.Server(kit_env())
+    env, server = kit_env(ONE_THREAD), forkserver.Server(kit_env)
     try:
         for i in range(repeat):
             result = server.run(stage_command("train_gpt2_std.py", *std_args(folder / f"s{i}")),
@@ -78,7 +78,7 @@ def forked(folder, repeat):
 
 
 def server_alone():
-    server = forkserver.Server(kit_env())
+    server = forkserver.Server(kit_env)
     server.start()
     server.stop()
 

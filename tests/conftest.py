@@ -377,7 +377,7 @@ def kit_env(extra=None):
 
 
 #: This worker's fork server, started by its first run, stopped at the end of the session.
-FORK_SERVER = forkserver.Server(kit_env())
+FORK_SERVER = forkserver.Server(kit_env)
 
 
 def srun_task_env(procid, ntasks, port):

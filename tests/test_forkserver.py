@@ -93,6 +93,17 @@ def test_a_run_whose_imports_would_read_another_environment_is_refused():
     assert any("HF_HUB_OFFLINE" in reason for reason in FORK_SERVER.refused)
 
 
+def test_a_change_in_the_tests_own_environment_starts_the_server_anew(monkeypatch, tmp_path):
+    """An import in the tests' process sets a variable there (Ray's import sets three): runs in
+    that environment are forked from a new server started in it, not refused."""
+    command = script(tmp_path, "env.py", "import os; print(os.environ.get('KIT_DRIFT'))\n")
+    assert FORK_SERVER.run(command, kit_env(), tmp_path, 60).stdout == "None\n"
+    before = FORK_SERVER.process.pid
+    monkeypatch.setenv("KIT_DRIFT", "y")
+    result = FORK_SERVER.run(command, kit_env(), tmp_path, 60)
+    assert result is not None and result.stdout == "y\n" and FORK_SERVER.process.pid != before
+
+
 def test_another_user_gets_no_run(cotenant, tmp_path):
     """Whoever reaches the socket runs code as its owner: its folder is the owner's alone, and a
     server whose folder another user can enter still refuses their request (SO_PEERCRED)."""
@@ -117,7 +128,7 @@ def test_another_user_gets_no_run(cotenant, tmp_path):
     refused = cotenant.run("/usr/bin/python3", "-c", attack, FORK_SERVER.socket_path,
                            json.dumps(kit_env()), check=False)
     assert refused.returncode != 0 and "PermissionError" in refused.stderr, refused
-    opened = forkserver.Server(kit_env())
+    opened = forkserver.Server(kit_env)
     opened.start()
     try:
         os.chmod(os.path.dirname(opened.socket_path), 0o711)

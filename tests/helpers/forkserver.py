@@ -62,14 +62,18 @@ def imported_under(env):
 # --- the client's side --------------------------------------------------------------------------
 
 class Server:
-    """The fork server, started on first use with ``env`` (the tests' kit_env) and stopped with
-    stop(). It counts the runs it served and those it refused, with the reason."""
+    """The fork server, started on first use in the environment ``environment()`` returns (the
+    tests' kit_env) and stopped with stop(). It counts the runs it served and those it refused,
+    with the reason."""
 
-    def __init__(self, env):
-        self.env, self.process, self.served, self.refused = env, None, 0, {}
+    def __init__(self, environment):
+        self.environment, self.process, self.served, self.refused = environment, None, 0, {}
 
     def start(self):
-        folder = tempfile.mkdtemp(prefix="kit-forkserver-")  # 0700: its owner's alone
+        self.env = self.environment()
+        # 0700: its owner's alone. In /tmp whatever TMPDIR says: a socket's path may not exceed
+        # 107 bytes, which one in the kit's private temporary folder does.
+        folder = tempfile.mkdtemp(prefix="kit-forkserver-", dir="/tmp")
         self.socket_path = os.path.join(folder, "socket")
         env = {name: value for name, value in self.env.items()
                if name not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
@@ -85,12 +89,21 @@ class Server:
             shutil.rmtree(os.path.dirname(self.socket_path), ignore_errors=True)
             self.process = None
 
+    def drifted(self, env):
+        """Whether ``env`` is the tests' own environment, but that has changed since the server
+        started: an import in the tests' process (Ray's, say) set variables there. A server
+        started anew has them too; a run in any other environment is the server's to refuse."""
+        return (imported_under(env) == imported_under(self.environment()) !=
+                imported_under(self.env))
+
     def counts(self):
         return {"forked": self.served, "refused": self.refused}
 
     def fork(self, command, env, cwd, stdout, stderr):
         """A forked run of ``command`` (a Run), or None if refused: then the caller starts a
         process of its own. stdout and stderr are file descriptors to write to."""
+        if self.process is not None and self.drifted(env):
+            self.stop()
         if self.process is None:
             self.start()
         with open(os.devnull) as stdin:
@@ -199,10 +212,9 @@ class Run:
 
 
 def request(socket_path, command, env, cwd, stdio):
-    """Ask the server at ``socket_path`` to run ``command`` (python, then a script or -m module,
-    then its arguments) with ``stdio``'s three file descriptors. Returns the connection, on which
-    the run's exit status arrives when it ends, and the run's pid; or None and why it was
-    refused."""
+    """Ask the server at ``socket_path`` to run ``command`` (python, a script, its arguments)
+    with ``stdio``'s three file descriptors. Returns the connection, on which the run's exit
+    status arrives when it ends, and the run's pid; or None and why it was refused."""
     connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     connection.connect(socket_path)
     message = json.dumps({"argv": list(map(str, command[1:])), "env": env, "cwd": str(cwd)})
@@ -331,14 +343,10 @@ def become_the_run(run, stdio, default_threads):
     if run["env"].get("PYTHONUNBUFFERED"):
         sys.stdout.reconfigure(write_through=True)
         sys.stderr.reconfigure(write_through=True)
-    argv = run["argv"]
+    sys.argv = run["argv"]
+    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as `python script` has it
     try:
-        if argv[0] == "-m":
-            sys.argv = argv[1:]
-            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        else:
-            sys.argv, sys.path[0] = argv, os.path.dirname(os.path.abspath(argv[0]))
-            runpy.run_path(argv[0], run_name="__main__")
+        runpy.run_path(sys.argv[0], run_name="__main__")
         code = 0
     except SystemExit as exit:
         code = exit_code(exit.code)
