@@ -12,11 +12,14 @@ then starts one node per allocated host, each a step of the job:
 Each node keeps its sockets, logs and spilled objects in a directory of its own that no other
 user can enter (Ray's default, /tmp/ray, is shared by everyone on the host), removed when the node
 stops. Ray opens that directory to everyone (0777, for other users' Ray on the same host), so it
-lies inside a parent that only its owner can enter; a local Ray's goes when its driver exits. The dashboard listens on the head's 127.0.0.1 only, behind the same token: reach it through
-an SSH tunnel.
+lies inside a parent that only its owner can enter; a local Ray's goes when its driver exits.
+The dashboard listens on the head's 127.0.0.1 only, behind the same token: reach it through an
+SSH tunnel. A local Ray (no job, no RAY_ADDRESS) uses the token Ray keeps in ~/.ray, which the
+kit makes its owner's alone first (private_default_token).
 """
 import atexit
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -113,6 +116,21 @@ def ray_folder(parent):
     return Path(parent) / "ray"
 
 
+def private_default_token():
+    """Ray 2.60 turns tokens on for a local Ray by itself, and keeps the token in
+    ~/.ray/auth_token, written with the umask's mode: most often 0644 in a folder of mode 0755,
+    which anyone who can enter the home folder reads, and then runs code in the trainee's Ray. So
+    the folder and the file are made (or closed) their owner's alone before Ray looks."""
+    folder = Path.home() / ".ray"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    folder.chmod(0o700)
+    token = folder / "auth_token"
+    if not token.exists():  # a token as Ray makes one: 256 random bits, in hex
+        with os.fdopen(os.open(token, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
+            out.write(secrets.token_hex(32))
+    token.chmod(0o600)
+
+
 def stop_local_ray(parent):
     """At the driver's exit: Ray's processes, then their folder (Ray leaves it behind)."""
     import ray
@@ -132,6 +150,7 @@ def connect(address=None):
         atexit.register(stop_local_ray, parent)
         for name, value in PATIENT_START.items():  # for the processes ray.init starts
             os.environ.setdefault(name, value)
+        private_default_token()
         return ray.init(logging_level="warning", _temp_dir=str(ray_folder(parent)))
     check_token()
     return ray.init(address=address, _node_ip_address=node_address(), logging_level="warning")

@@ -1,8 +1,11 @@
 """A job's Ray node refuses to start without the job's private token, and starts with its
 dashboard on 127.0.0.1 and its files in a directory of its own (the cluster itself, on the Slurm
 test cluster: tests/test_slurm.py)."""
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -70,18 +73,25 @@ sys.stdin.read()
 @pytest.mark.slow  # starts Ray: not for make test-fast, whose selection takes the module's unit
 def test_a_co_tenant_can_enter_no_folder_of_a_local_ray_which_goes_when_it_stops(cotenant):
     """Issue 47, item 6: Ray makes its temp folder 0777; the co-tenant renamed the raylet's socket
-    in it, and the driver died. Here they try to list it and to move the socket away."""
+    in it, and the driver died. Here they try to list it and to move the socket away. And to read
+    the token of that Ray (on by default for a local Ray), in ~/.ray of a home folder that they
+    can enter: Ray would leave it readable to all."""
+    home = Path(tempfile.mkdtemp(prefix="kit-home-", dir="/tmp"))  # where they can enter
+    home.chmod(0o755)
     driver = subprocess.Popen([sys.executable, "-c", LOCAL_RAY_DRIVER], cwd=KIT_ROOT,
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "HOME": str(home)})
     try:
         session = Path(driver.stdout.readline().strip())
         assert session.is_dir(), "the driver's Ray did not start"
         private = session.parents[1]  # above Ray's own folder (0777): the kit's parent
         assert private.name.startswith("kit-ray-") and private.stat().st_mode & 0o777 == 0o700
         for attempt in (["ls", str(session.parent)],
-                        ["mv", str(session / "sockets" / "raylet"), "/tmp/stolen-raylet"]):
+                        ["mv", str(session / "sockets" / "raylet"), "/tmp/stolen-raylet"],
+                        ["cat", str(home / ".ray" / "auth_token")]):
             refused = cotenant.run(*attempt, check=False)
             assert refused.returncode != 0 and "Permission denied" in refused.stderr, attempt
     finally:
         driver.communicate("", timeout=120)
+        shutil.rmtree(home)
     assert driver.returncode == 0 and not private.exists()

@@ -127,7 +127,9 @@ print("the actor has seen", ray.get([tally.add.remote(square) for square, _, _ i
 #   run programs as you. Since Ray 2.52, `RAY_AUTH_MODE=token` makes every request to the cluster
 #   and its dashboard carry a token. The job writes a new one to a file only you can read, and
 #   every Ray process of the job reads it; a client without it is refused (the kit's tests check
-#   this on their Slurm cluster).
+#   this on their Slurm cluster). The local Ray of this notebook has a token too (Ray turns it on
+#   for a local Ray), kept in `~/.ray`: `raycluster.connect()` first makes that folder yours
+#   alone, where Ray would leave the token readable by anyone who can enter your home folder.
 # - **Dashboard.** Ray's web page listens on the head node only, behind the same token. Reach
 #   it from your laptop through an SSH tunnel (`ssh -L 8265:<head node>:8265 <login node>`) or
 #   through Open OnDemand, never by opening a port.
