@@ -7,7 +7,6 @@ be installed and started. A developer running tests as non-root with CI unset ma
 (the Slurm cluster needs root); the run then passes, and its summary lists them under a banner.
 """
 import base64
-import contextlib
 import fcntl
 import getpass
 import os
@@ -84,7 +83,8 @@ LONGEST_FIRST = ("tests/test_notebooks.py", "tests/test_slurm.py", "tests/test_b
                  "tests/test_stage_lit.py", "tests/test_ondemand.py", "tests/test_launch.py")
 
 
-def pytest_collection_modifyitems(items):
+@pytest.hookimpl(trylast=True)  # after pytest-random-order's shuffle (--random-order-seed=N):
+def pytest_collection_modifyitems(items):  # the files run in this order, their tests shuffled
     def rank(item):
         path = item.nodeid.split("::")[0]
         return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
@@ -227,38 +227,63 @@ def session_folder(tmp_path_factory, name):
 class LessonExecutions:
     """nbval's executions of the lessons (tests/nbval_record.py), kept in a jupyter-cache store
     that the books are built from: each lesson executes once for both. Shared by the workers in a
-    folder of the session: nbval's worker keeps them, the book's waits for them."""
+    folder of the session: whichever test asks first for a lesson (its nbval test, the book, the
+    record's test) runs nbval on it, under the lesson's lock; the others, in any order, read
+    what it kept."""
 
     def __init__(self, folder):
         self.folder = folder
         self.cache = folder / "cache"
 
-    @contextlib.contextmanager
-    def recording(self, lesson, notebook):
-        """Around nbval's run of ``lesson``: yields the path to record the run to, and keeps the
-        record if the run passes; otherwise tells the book that waits for it."""
-        from coursekit import book
+    def executed(self, lesson):
+        """The record of nbval's run of ``lesson``, run now if no test ran it yet; fails naming
+        the lesson if that run failed (its own nbval test says why)."""
+        lock = os.open(self.folder, os.O_RDONLY)
         try:
-            yield self.folder / f"{lesson}.ipynb"
-            executed = nbformat.read(self.folder / f"{lesson}.ipynb", as_version=4)
-            book.keep_execution(executed, notebook, self.cache)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if self.outcome(lesson) is None:
+                self.run_and_keep(lesson)
+        finally:
+            os.close(lock)
+        if self.outcome(lesson) != "kept":
+            pytest.fail(f"nbval failed on {lesson}; the test that ran it first shows nbval's "
+                        "output", pytrace=False)
+        return self.folder / f"{lesson}.ipynb"
+
+    def outcome(self, lesson):
+        return next((end for end in ("kept", "failed")
+                     if (self.folder / f"{lesson}.{end}").exists()), None)
+
+    def run_and_keep(self, lesson):
+        """nbval's run of ``lesson``, recorded; the record kept for the books if it passes."""
+        from coursekit import book
+        record, notebook = self.folder / f"{lesson}.ipynb", lesson_notebook(lesson)
+        try:
+            run_nbval(lesson, record)
+            book.keep_execution(nbformat.read(record, as_version=4), notebook, self.cache)
             (self.folder / f"{lesson}.kept").touch()
         except BaseException:
             (self.folder / f"{lesson}.failed").touch()
             raise
 
-    def wait_for(self, lessons, timeout=3600):
-        """Wait until nbval has run each of ``lessons``; fail naming those that did not pass."""
-        deadline = time.monotonic() + timeout
-        def outcome(lesson):
-            return next((end for end in ("kept", "failed")
-                         if (self.folder / f"{lesson}.{end}").exists()), None)
-        while any(outcome(lesson) is None for lesson in lessons) and time.monotonic() < deadline:
-            time.sleep(1)
-        failed = [lesson for lesson in lessons if outcome(lesson) != "kept"]
-        if failed:
-            pytest.fail(f"the book is built from nbval's executions, and these lessons did not "
-                        f"pass nbval within {timeout} s: {', '.join(failed)}", pytrace=False)
+
+def lesson_notebook(lesson):
+    return KIT_ROOT / "notebooks" / lesson / f"{lesson}.ipynb"
+
+
+def run_nbval(lesson, record):
+    """nbval's run of a lesson in its folder, recorded to ``record`` (nbval_record.py)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-q",
+                             "-p", "no:cacheprovider", "-p", "nbval_record",
+                             "--record-executed", str(record), str(lesson_notebook(lesson))],
+                            capture_output=True, text=True, cwd=lesson_notebook(lesson).parent,
+                            env=env, timeout=900)
+    print(f"nbval {lesson}: {time.perf_counter() - start:.1f} s")
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert " passed" in result.stdout and " failed" not in result.stdout
 
 
 def made_once(tmp_path_factory, name, make):
@@ -295,12 +320,13 @@ def lessons_run_under_nbval(session):
 @pytest.fixture(scope="session")
 def built_book(lesson_executions, tmp_path_factory, request):
     """The reader's edition of the book, built once for the book and the browser tests with `make
-    book`'s code, from nbval's executions of the lessons when this session runs nbval (it runs
-    before the book: LONGEST_FIRST), and from executions of its own otherwise."""
+    book`'s code, from nbval's executions of the lessons when this session runs nbval (whether
+    their tests ran yet or not: lesson_executions), and from executions of its own otherwise."""
     if request.config.getoption("--built-book"):
         return Path(request.config.getoption("--built-book")).resolve()
     from coursekit import book
-    lesson_executions.wait_for(lessons_run_under_nbval(request.session))
+    for lesson in lessons_run_under_nbval(request.session):
+        lesson_executions.executed(lesson)
     start = time.perf_counter()
     html = book.build("reader", KIT_ROOT, out=tmp_path_factory.mktemp("reader"),
                       cache_dir=lesson_executions.cache)
