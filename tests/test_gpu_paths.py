@@ -52,8 +52,7 @@ def train(stage, data, out, *flags, env=None):
     if stage in ("std", "lit"):
         result = run_stage(f"train_gpt2_{stage}.py", *args, env=env)
     else:
-        result = torchrun(2, KIT_ROOT / "solutions" / f"train_gpt2_{stage}.py", *args,
-                          check=False, env=env)
+        result = torchrun(2, KIT_ROOT / "solutions" / f"train_gpt2_{stage}.py", *args, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
 
