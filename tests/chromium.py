@@ -1,7 +1,9 @@
 """Headless Chromium for the browser tests (Debian's chromium and chromedriver, driven with
 Selenium), and what they do with it: wait for a state of the page, take a screenshot."""
 import io
+import re
 import shutil
+import subprocess
 import time
 import urllib.request
 
@@ -52,6 +54,28 @@ def screenshot(element, name):
     image = Image.open(io.BytesIO(png)).convert("L")
     background = max(image.histogram())  # the most common grey level
     return 1 - background / (image.width * image.height)
+
+
+#: Where JupyterLab says it serves, in its log
+LAB_ADDRESS = re.compile(r"http://127\.0\.0\.1:(\d+)/lab")
+
+
+def start_lab(command, token, log, seconds=120, **popen):
+    """Start JupyterLab by ``command`` on port 0, which the system picks when the server binds:
+    no other process can take it between a choice and the bind, and the test can ask no other
+    server. Returns (its Popen, its URL, read from its ``log``) once its REST API answers; fails
+    at once if it exits first."""
+    with open(log, "wb") as out:
+        server = subprocess.Popen([*command, "--port=0"], stdout=out, stderr=subprocess.STDOUT,
+                                  start_new_session=True, **popen)
+    deadline = time.monotonic() + seconds
+    while not (found := LAB_ADDRESS.search(log.read_text(errors="replace"))):
+        assert server.poll() is None and time.monotonic() < deadline, \
+            "JupyterLab did not start:\n" + log.read_text(errors="replace")[-3000:]
+        time.sleep(0.2)
+    url = f"http://127.0.0.1:{found[1]}"
+    wait_until_lab_answers(url, token, server, seconds)
+    return server, url
 
 
 def wait_until_lab_answers(url, token, server, seconds=120):

@@ -272,12 +272,15 @@ def lesson_notebook(lesson):
 
 
 def run_nbval(lesson, record):
-    """nbval's run of a lesson in its folder, recorded to ``record`` (nbval_record.py)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
+    """nbval's run of a lesson in its folder, recorded to ``record`` (nbval_record.py): its
+    cells in their order, whatever options this session's pytest took (a random order's seed)."""
+    env = {**{name: value for name, value in os.environ.items() if name != "PYTEST_ADDOPTS"},
+           "PYTHONPATH": os.pathsep.join(
+               filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))}
     start = time.perf_counter()
     result = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "-q",
-                             "-p", "no:cacheprovider", "-p", "nbval_record",
+                             "-p", "no:cacheprovider", "-p", "no:random_order",
+                             "-p", "nbval_record",
                              "--record-executed", str(record), str(lesson_notebook(lesson))],
                             capture_output=True, text=True, cwd=lesson_notebook(lesson).parent,
                             env=env, timeout=900)
@@ -463,10 +466,21 @@ def torchrun(nproc, script, *args, check=True, restarts=0, env=None):
     if check and restarts == 0:
         result = forked_torchrun(nproc, [sys.executable, str(script), *map(str, args)], env)
     if result is None:
-        result = subprocess.run(torchrun_command(nproc, script, *args, restarts=restarts),
-                                capture_output=True, text=True, timeout=600, env=env)
+        result = launched_torchrun(nproc, script, args, restarts, env)
     if check:
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result
+
+
+def launched_torchrun(nproc, script, args, restarts, env, attempts=3):
+    """The real torchrun's run, started again at another port should another process take the
+    one chosen (free_port) before the launcher's store binds it: a collision, never what a test
+    tests (the batch files' ports are their job's)."""
+    for _ in range(attempts):
+        result = subprocess.run(torchrun_command(nproc, script, *args, restarts=restarts),
+                                capture_output=True, text=True, timeout=600, env=env)
+        if "EADDRINUSE" not in result.stderr:
+            return result
     return result
 
 

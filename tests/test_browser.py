@@ -18,14 +18,13 @@ import os
 import secrets
 import shutil
 import signal
-import subprocess
 import threading
 import time
 
 import pytest
 import chromium
-from chromium import console_errors, screenshot, wait_for, wait_until_lab_answers
-from conftest import free_port, kit_env
+from chromium import console_errors, screenshot, start_lab, wait_for
+from conftest import kit_env
 from selenium.common.exceptions import TimeoutException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
@@ -149,16 +148,11 @@ def lab(tmp_path_factory):
     autosave cannot write outputs into the committed notebook); yields its URL and token."""
     root = tmp_path_factory.mktemp("lab")
     shutil.copy(LAB_LESSON, root)
-    port, token = free_port(), secrets.token_hex(16)
-    server = subprocess.Popen(launch.lab_command(  # as `make lab` starts it: kernels over IPC
-        # port_retries=0: if another process took the port since free_port(), fail here rather
-        # than serve on another port while the test asks this one
-        f"--port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-        f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True"),
-        env=kit_env({"JUPYTER_RUNTIME_DIR": launch.lab_runtime_dir()}), stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    wait_until_lab_answers(url, token, server)
+    token = secrets.token_hex(16)
+    server, url = start_lab(launch.lab_command(  # as `make lab` starts it: kernels over IPC
+        f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
+        "--LabApp.expose_app_in_browser=True"), token, tmp_path_factory.mktemp("lab-log") / "log",
+        env=kit_env({"JUPYTER_RUNTIME_DIR": launch.lab_runtime_dir()}))
     yield url, token
     os.killpg(server.pid, signal.SIGTERM)
     server.wait(timeout=30)

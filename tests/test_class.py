@@ -31,8 +31,8 @@ import nbformat
 import pytest
 
 import chromium
-from chromium import screenshot, wait_for, wait_until_lab_answers
-from conftest import debian_tool, free_port
+from chromium import screenshot, start_lab, wait_for
+from conftest import debian_tool
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 from test_grading import exercises, source_notebook, with_cells_from
@@ -385,16 +385,13 @@ def browser():
 def formgrader(class_run):
     """JupyterLab as the instructor, in their course folder, on 127.0.0.1 behind a token (as
     `make lab` starts it): its URL and token."""
-    port, token = free_port(), secrets.token_hex(16)
+    token = secrets.token_hex(16)
     with user_command(INSTRUCTOR, "jupyter", "lab", "--no-browser", "--ip", "127.0.0.1",
-                      f"--port={port}", "--ServerApp.port_retries=0",
                       f"--IdentityProvider.token={token}",
                       "--LabApp.expose_app_in_browser=True") as command:
-        server = subprocess.Popen(command, cwd=class_run["course"], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, start_new_session=True)
-        url = f"http://127.0.0.1:{port}"
+        server, url = start_lab(command, token, class_run["course"].parent / "formgrader.log",
+                                cwd=class_run["course"])
         try:
-            wait_until_lab_answers(url, token, server)
             yield url, token
         finally:
             os.killpg(server.pid, signal.SIGTERM)

@@ -274,9 +274,15 @@ class Jobs:
         return submit(self.cluster, name, *self.options.get(name, ()))
 
     def read(self, name, job_id, status, record):
-        """(exit status, log, metrics, `scontrol -d show job` as it ended)"""
+        """(exit status, log, metrics, `scontrol -d show job` as it ended, the run's config and
+        the files it saved): read as the job ends, since a requeue test runs the same file into
+        the same folder again, whenever it comes"""
         log = (self.cluster["logs"] / f"{name}.{job_id}.out").read_text()
-        return status, log, runs.read_metrics(run_dir(name)), record
+        folder = run_dir(name)
+        config = folder / "config.json"
+        saved = {str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file()}
+        return (status, log, runs.read_metrics(folder), record,
+                runs.read_json(config) if config.exists() else None, saved)
 
 
 @pytest.fixture(scope="session")
@@ -618,7 +624,7 @@ def answers(url):
 
 @pytest.mark.parametrize("name", [*TRAINING_RUNS, SRUN_LAUNCHED])
 def test_training_job_finishes_with_its_loss_lines(training, name):
-    status, log, metrics, job = training.result(name)
+    status, log, metrics, job, config, _ = training.result(name)
     assert status == 0, log[-3000:]
     steps = STEPS
     assert re.search(rf"^step {steps}/{steps} \| loss \d+\.\d+ .* \| val \d+\.\d+"
@@ -626,7 +632,6 @@ def test_training_job_finishes_with_its_loss_lines(training, name):
                      re.MULTILINE), log[-3000:]
     assert [r["step"] for r in metrics] == list(range(1, steps + 1))
     nodes, processes = map(int, re.match(r"batch-\w+-(\d+)n(\d+)g", name).groups())
-    config = runs.read_json(run_dir(name) / "config.json")
     assert config["world_size"] == nodes * processes
     # Slurm's record: the nodes, and the tasks it started (one per node for torchrun)
     tasks = nodes * (processes if name.startswith("batch-lit") or name == SRUN_LAUNCHED else 1)
@@ -664,14 +669,14 @@ def test_lora_jobs_fine_tune_alike_on_every_shape(lora_training):
     config (no dropout, the same 32 examples)."""
     reference = [r["loss"] for r in lora_training.result("batch-lora-1n2g.sh")[2]]
     for name in LORA_RUNS:
-        status, log, metrics, job = lora_training.result(name)
+        status, log, metrics, job, config, saved = lora_training.result(name)
         assert status == 0, log[-3000:]
         assert re.search(rf"^step {LORA_STEPS}/{LORA_STEPS} \| loss .* \| exact match", log,
                          re.MULTILINE), log[-3000:]
         nodes, processes = map(int, re.match(r"batch-lora-(\d+)n(\d+)g", name).groups())
-        assert runs.read_json(run_dir(name) / "config.json")["world_size"] == nodes * processes
+        assert config["world_size"] == nodes * processes
         assert re.search(rf"NumNodes={nodes} NumCPUs=\d+ NumTasks={nodes} ", job), job
-        assert (run_dir(name) / "model" / "model.safetensors").is_file()
+        assert "model/model.safetensors" in saved
         assert [r["loss"] for r in metrics] == pytest.approx(reference, abs=1e-4), name
         if name in LORA_CONFIGS:
             assert f"DEEPSPEED on {nodes * processes} process(es)" in log, log[-3000:]

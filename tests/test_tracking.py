@@ -119,8 +119,9 @@ def served(builtin_data, tmp_path_factory):
     """The kit's MLflow server, and a run that logs to it over HTTP with its owner's password.
     The server stops while the run trains, and comes back (the same port, store and password)
     before the run is resumed. Yields what the tests read while it is back up."""
-    folder, port = tmp_path_factory.mktemp("served"), free_port()
-    url, server = f"http://127.0.0.1:{port}", start_server(folder, port)
+    folder = tmp_path_factory.mktemp("served")
+    port, server = start_server_at_a_free_port(folder)
+    url = f"http://127.0.0.1:{port}"
     owner = owner_login(folder / "state")
     env = kit_env({"MLFLOW_TRACKING_URI": url, "MLFLOW_TRACKING_USERNAME": owner[0],
                    "MLFLOW_TRACKING_PASSWORD": owner[1]})
@@ -157,6 +158,22 @@ def start_server(folder, port):
             env=kit_env(), start_new_session=True)
     wait_for(f"http://127.0.0.1:{port}/health", server)
     return server
+
+
+def start_server_at_a_free_port(folder, attempts=3):
+    """(port, server) of start_server at a free port (free_port), or at another should another
+    process take that one before the server binds it."""
+    for _ in range(attempts):
+        port, log = free_port(), folder / "server.log"
+        written = log.stat().st_size if log.exists() else 0
+        try:
+            return port, start_server(folder, port)
+        except AssertionError:
+            with open(log, "rb") as output:
+                output.seek(written)
+                if b"address already in use" not in output.read().lower():
+                    raise
+    raise AssertionError(f"{attempts} ports in a row were taken before the server bound them")
 
 
 def stop_server(server):
