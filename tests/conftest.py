@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -265,6 +266,18 @@ class LessonExecutions:
         except BaseException:
             (self.folder / f"{lesson}.failed").touch()
             raise
+
+
+@pytest.fixture
+def own_compile_caches(tmp_path, monkeypatch):
+    """A HOME of the test's own; the compile caches and the temporary folder that a compiling
+    stage's parse_args points this process at (coursekit.caches) are put back after the test,
+    so that no later test of the worker inherits them. Returns the HOME."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.setenv(name, "")  # none named: the stage chooses, and monkeypatch restores
+    monkeypatch.setattr(tempfile, "tempdir", tempfile.tempdir)
+    return tmp_path
 
 
 def lesson_notebook(lesson):

@@ -18,20 +18,12 @@ from solutions import train_gpt2_std
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture
-def home(tmp_path, monkeypatch):
-    """A HOME of the test's own, and no cache named in the environment (restored after)."""
-    monkeypatch.setenv("HOME", str(tmp_path))
-    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
-        monkeypatch.setenv(name, "")  # so that monkeypatch restores what the stage sets
-    return tmp_path
-
-
-def test_a_compiling_stage_tells_inductor_to_use_a_private_folder(home, builtin_data):
+def test_a_compiling_stage_tells_inductor_to_use_a_private_folder(own_compile_caches,
+                                                                   builtin_data):
     from torch._inductor.runtime.cache_dir_utils import cache_dir, triton_cache_dir
     train_gpt2_std.parse_args(["--preset", "tiny", "--device", "cpu", "--compile",
                                "--data", str(builtin_data)])
-    private = home / ".cache" / "coursekit" / "torch-compile"
+    private = own_compile_caches / ".cache" / "coursekit" / "torch-compile"
     assert Path(cache_dir()) == private and Path(triton_cache_dir(0)) == private / "triton"
     for folder in (private, private / "triton"):
         assert folder.stat().st_mode & 0o777 == 0o700 and folder.stat().st_uid == os.getuid()

@@ -4,6 +4,7 @@ trial queued and resumed from its checkpoint."""
 import importlib.util
 import os
 import signal
+import shutil
 import subprocess
 import sys
 import time
@@ -113,8 +114,9 @@ def test_results_are_written(study):
 
 @pytest.mark.stages
 @pytest.mark.slow
-def test_running_again_continues_the_study(study):
-    study_dir, _ = study
+def test_running_again_continues_the_study(study, tmp_path):
+    study_dir = tmp_path / "study"  # a copy: the module's study is the other tests' as it ended
+    shutil.copytree(study[0], study_dir)
     before = load_trials(study_dir)
     result = hpo("--study-dir", str(study_dir), "--trials", str(len(before) + 1), *BUDGET)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -112,7 +112,7 @@ def test_this_gpu_trains_in_the_format_its_hardware_computes_in():
     ("cpu", True, [], False),
 ])
 def test_compile_is_on_by_default_only_on_gpus(builtin_data, tmp_path, monkeypatch, device, cuda,
-                                               flags, compiled):
+                                               flags, compiled, own_compile_caches):
     """On a CPU the default is off (compiling costs more than it saves there); where CUDA runs
     the model (auto with a GPU in sight) it is on, and --no-compile turns it off. Here a GPU is
     in sight where torch.cuda.is_available() says so."""

@@ -105,7 +105,9 @@ ReturnToService=2
 # a node whose slurmd stops answering is down after 20 s (tests/test_slurm.py kills one)
 SlurmdTimeout=20
 InactiveLimit=0
-MinJobAge=300
+# ended jobs stay in slurmctld's memory for the session: a test may ask for a job's record long
+# after it ended (tests/test_slurm.py: Jobs, the tests in any order)
+MinJobAge=7200
 KillWait=10
 Waittime=0
 ${node_lines}PartitionName=debug Nodes=node[1-$nodes] Default=YES MaxTime=$max_time State=UP OverSubscribe=NO
