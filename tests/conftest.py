@@ -229,7 +229,7 @@ class LessonExecutions:
     """nbval's executions of the lessons (tests/nbval_record.py), kept in a jupyter-cache store
     that the books are built from: each lesson executes once for both. Shared by the workers in a
     folder of the session: whichever test asks first for a lesson (its nbval test, the book, the
-    record's test) runs nbval on it, under the lesson's lock; the others, in any order, read
+    record's test) runs nbval on it, under the folder's lock; the others, in any order, read
     what it kept."""
 
     def __init__(self, folder):
@@ -238,7 +238,7 @@ class LessonExecutions:
 
     def executed(self, lesson):
         """The record of nbval's run of ``lesson``, run now if no test ran it yet; fails naming
-        the lesson if that run failed (its own nbval test says why)."""
+        the lesson if that run failed (the test that ran it shows why)."""
         lock = os.open(self.folder, os.O_RDONLY)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -266,18 +266,6 @@ class LessonExecutions:
         except BaseException:
             (self.folder / f"{lesson}.failed").touch()
             raise
-
-
-@pytest.fixture
-def own_compile_caches(tmp_path, monkeypatch):
-    """A HOME of the test's own; the compile caches and the temporary folder that a compiling
-    stage's parse_args points this process at (coursekit.caches) are put back after the test,
-    so that no later test of the worker inherits them. Returns the HOME."""
-    monkeypatch.setenv("HOME", str(tmp_path))
-    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
-        monkeypatch.setenv(name, "")  # none named: the stage chooses, and monkeypatch restores
-    monkeypatch.setattr(tempfile, "tempdir", tempfile.tempdir)
-    return tmp_path
 
 
 def lesson_notebook(lesson):
@@ -319,6 +307,18 @@ def made_once(tmp_path_factory, name, make):
     finally:
         os.close(lock)  # and with it the lock
     return folder
+
+
+@pytest.fixture
+def own_compile_caches(tmp_path, monkeypatch):
+    """A HOME of the test's own; the compile caches and the temporary folder that a compiling
+    stage's parse_args points this process at (coursekit.caches) are put back after the test,
+    so that no later test of the worker inherits them. Returns the HOME."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.setenv(name, "")  # none named: the stage chooses, and monkeypatch restores
+    monkeypatch.setattr(tempfile, "tempdir", tempfile.tempdir)
+    return tmp_path
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import textwrap
 import nbformat
 import pytest
 
-from conftest import debian_tool
+from conftest import debian_tool, lesson_notebook
 from coursekit import KIT_ROOT, KitError, diffs, grading, trainee
 
 pytestmark = pytest.mark.grading
@@ -120,10 +120,6 @@ def test_the_release_has_no_working_copy(course):
         assert not list((course / "release").glob(f"*/{name}"))
 
 
-def source_notebook(lesson):
-    return KIT_ROOT / "notebooks" / lesson / f"{lesson}.ipynb"
-
-
 def nbgrader_cells(notebook):
     return [cell for cell in notebook.cells if "nbgrader" in cell.metadata]
 
@@ -193,7 +189,7 @@ def graded(course, tmp_path_factory, intrusion_targets):
     def grade(lesson):
         if lesson not in results:
             folder = tmp_path_factory.mktemp(f"submissions-{lesson}")
-            source = nbformat.read(source_notebook(lesson), as_version=4)
+            source = nbformat.read(lesson_notebook(lesson), as_version=4)
             release = nbformat.read(course / "release" / lesson / f"{lesson}.ipynb", as_version=4)
             notebooks = {half: without(source, release, SHORTCUTS.get(lesson, {}),
                                        left_out(list(exercises(source)), half)) for half in HALVES}
@@ -304,7 +300,7 @@ def test_release_holds_no_solutions_or_hidden_tests(course, lesson):
     assert "jupytext" not in released.metadata  # paired, it would open with the .py's solutions
     cells = released.cells
     released_lines = {line.strip() for cell in cells for line in cell.source.splitlines()}
-    marked, unmarked = trainee.marked_and_unmarked_lines(source_notebook(lesson))
+    marked, unmarked = trainee.marked_and_unmarked_lines(lesson_notebook(lesson))
     assert marked and "### BEGIN HIDDEN TESTS" not in released_lines
     # a marked line may also appear unmarked (a closing bracket, `pass`): only the others count
     assert sorted((marked - unmarked) & released_lines) == []
@@ -314,7 +310,7 @@ def test_release_holds_no_solutions_or_hidden_tests(course, lesson):
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_lesson_marks_its_demonstrations_for_autograde_to_skip(lesson):
     """Each lesson tags the cells no exercise needs; a graded or solution cell is never one."""
-    cells = nbformat.read(source_notebook(lesson), as_version=4).cells
+    cells = nbformat.read(lesson_notebook(lesson), as_version=4).cells
     demos = [c for c in cells if grading.DEMO_TAG in c.metadata.get("tags", [])]
     assert demos and all(c.cell_type == "code" and "nbgrader" not in c.metadata for c in demos)
 

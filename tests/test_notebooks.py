@@ -7,15 +7,11 @@ import nbformat
 import pytest
 from jupytext.compare import NotebookDifference, compare_notebooks
 
-from conftest import lessons_run_under_nbval, run_nbval
+from conftest import lesson_notebook, lessons_run_under_nbval, run_nbval
 from coursekit import KIT_ROOT, book, grading
 
 pytestmark = pytest.mark.notebooks
 LESSONS = grading.lessons(KIT_ROOT)
-
-
-def notebook_path(lesson):
-    return KIT_ROOT / "notebooks" / lesson / f"{lesson}.ipynb"
 
 
 def test_every_lesson_folder_has_a_notebook():
@@ -25,15 +21,15 @@ def test_every_lesson_folder_has_a_notebook():
 
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_jupytext_pair_is_in_sync(lesson):
-    ipynb = jupytext.read(notebook_path(lesson))
-    py = jupytext.read(notebook_path(lesson).with_suffix(".py"))
+    ipynb = jupytext.read(lesson_notebook(lesson))
+    py = jupytext.read(lesson_notebook(lesson).with_suffix(".py"))
     compare_notebooks(py, ipynb, fmt="py:percent")  # raises on any difference
 
 
 def test_the_sync_check_catches_an_edit_on_one_side():
     lesson = LESSONS[0]
-    py = jupytext.read(notebook_path(lesson).with_suffix(".py"))
-    edited = jupytext.read(notebook_path(lesson))
+    py = jupytext.read(lesson_notebook(lesson).with_suffix(".py"))
+    edited = jupytext.read(lesson_notebook(lesson))
     edited.cells[-1].source += "\n- an extra key point written only in the notebook"
     with pytest.raises(NotebookDifference):
         compare_notebooks(py, edited, fmt="py:percent")
@@ -41,14 +37,14 @@ def test_the_sync_check_catches_an_edit_on_one_side():
 
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_no_outputs_committed(lesson):
-    cells = json.loads(notebook_path(lesson).read_text())["cells"]
+    cells = json.loads(lesson_notebook(lesson).read_text())["cells"]
     code = [c for c in cells if c["cell_type"] == "code"]
     assert code and all(c["outputs"] == [] and c["execution_count"] is None for c in code)
 
 
 @pytest.mark.parametrize("lesson", LESSONS)
 def test_lesson_has_objectives_time_exercises_and_key_points(lesson):
-    cells = jupytext.read(notebook_path(lesson)).cells
+    cells = jupytext.read(lesson_notebook(lesson)).cells
     text = "\n".join(c.source for c in cells if c.cell_type == "markdown")
     for heading in ("**Objectives.**", "**Prerequisites.**", "**Time.**", "## Key points"):
         assert heading in text
@@ -67,7 +63,7 @@ def glossary_terms():
 
 def bold_phrases(lesson):
     """The lesson's bold phrases, except run-in headings (**Time.**, **Exercise 3: ...**)."""
-    cells = jupytext.read(notebook_path(lesson)).cells
+    cells = jupytext.read(lesson_notebook(lesson)).cells
     text = "\n".join(c.source for c in cells if c.cell_type == "markdown")
     phrases = {" ".join(found.split()) for found in re.findall(r"\*\*(.+?)\*\*", text, re.DOTALL)}
     return {p for p in phrases if not (p.endswith((".", "?")) or p.startswith("Exercise"))}
@@ -111,7 +107,7 @@ def test_the_record_of_a_lesson_is_what_the_books_executor_gives(tmp_path, lesso
         record = tmp_path / "record.ipynb"
         run_nbval(lesson, record)
     recorded = nbformat.read(record, as_version=4)
-    executed = book.executed(notebook_path(lesson), tmp_path / "cache", timeout=600)
+    executed = book.executed(lesson_notebook(lesson), tmp_path / "cache", timeout=600)
 
     def shown(notebook):
         widgets = notebook.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]
