@@ -32,10 +32,10 @@ import pytest
 
 import chromium
 from chromium import screenshot, start_lab, wait_for
-from conftest import debian_tool
+from conftest import debian_tool, lesson_notebook
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
-from test_grading import exercises, source_notebook, with_cells_from
+from test_grading import exercises, with_cells_from
 
 from coursekit import KIT_ROOT, trainee
 
@@ -157,7 +157,7 @@ def answers(release_path, base):
     """The folder of each trainee's work, <trainee>.ipynb, readable by that trainee alone: the
     release with the lesson's solutions written in (all, all but UNSOLVED, or all and a graded
     cell renamed)."""
-    source = nbformat.read(source_notebook(LESSON), as_version=4)
+    source = nbformat.read(lesson_notebook(LESSON), as_version=4)
     release = nbformat.read(release_path, as_version=4)
     solutions = list(exercises(source))
     renamed = with_cells_from(release, source, solutions)
@@ -198,7 +198,7 @@ def forge(forger, victim, exchange, kit):
 def hidden_test_lines():
     """The lines of the lesson's hidden tests that appear nowhere else in it."""
     hidden, elsewhere, inside = set(), set(), False
-    for cell in nbformat.read(source_notebook(LESSON), as_version=4).cells:
+    for cell in nbformat.read(lesson_notebook(LESSON), as_version=4).cells:
         for line in (line.strip() for line in cell.source.splitlines()):
             if line in ("### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS"):
                 inside = line.startswith("### BEGIN")
@@ -292,7 +292,7 @@ def class_run():
 
 def points():
     """{graded cell: its points} of the lesson, and the cells of the exercise bob left."""
-    notebook = nbformat.read(source_notebook(LESSON), as_version=4)
+    notebook = nbformat.read(lesson_notebook(LESSON), as_version=4)
     cells = {cell.metadata.nbgrader.grade_id: cell.metadata.nbgrader.points
              for cell in notebook.cells if cell.metadata.get("nbgrader", {}).get("grade")}
     return cells, exercises(notebook)[UNSOLVED]
