@@ -27,6 +27,10 @@ export TIKTOKEN_CACHE_DIR := $(CURDIR)/.cache/tiktoken
 # checkout, here, instead of once in each tool's default cache.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/.cache/torch_extensions
 DEEPSPEED_OP := $(TORCH_EXTENSIONS_DIR)/.complete
+# Recipes, and all they start, find the venv's tools first, as the jobs do (they source
+# .venv/bin/activate): the pinned ninja, whose records of DeepSpeed's build differ from the
+# system ninja's, which rebuilt the op (a minute of both cores) after each use of the other.
+export PATH := $(CURDIR)/$(BIN):$(PATH)
 TOKENIZER := $(TIKTOKEN_CACHE_DIR)/.complete
 BUILTIN_DATA := data/builtin/meta.json
 INSTRUCT_DATA := data/instruct/meta.json
