@@ -133,6 +133,17 @@ def test_no_page_loads_a_script_or_stylesheet_from_the_internet(html):
     assert online == {}  # MathJax and the widget manager are served from _static/
 
 
+def test_every_page_names_an_icon_the_site_has(html):
+    """A page without one, the root's redirect included, makes the browser ask for /favicon.ico:
+    a 404 in its console (test_browser sees it only when the icon is fetched in time)."""
+    pages = [p for p in html.rglob("*.html") if "_static" not in p.parts]
+    icons = {str(page.relative_to(html)): re.findall(r'<link rel="icon" href="([^"]+)"',
+                                                     page.read_text()) for page in pages}
+    assert len(pages) >= 12 and "index.html" in icons
+    assert {page: found for page, found in icons.items()
+            if len(found) != 1 or not (html / Path(page).parent / found[0]).is_file()} == {}
+
+
 def test_search_index_is_built(html):
     assert (html / "search.html").is_file() and (html / "searchindex.js").is_file()
 

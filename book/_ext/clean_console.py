@@ -8,7 +8,11 @@
 - The pydata theme under sphinx-book-theme reports "invalid theme mode" on a reader's first visit
   unless its template has a default mode; Jupyter Book gives none, so the book starts in light
   mode.
+- The site's root, index.html, is a redirect to the first page that sphinx-external-toc writes if
+  none exists, with no icon: the browser then asks for /favicon.ico, a 404 in its console. The
+  book writes that redirect first, with the book's icon.
 """
+from pathlib import Path
 
 
 def drop_repeated_scripts(app, pagename, templatename, context, doctree):
@@ -26,7 +30,16 @@ def default_to_light_mode(app, config):
     config.html_context.setdefault("default_mode", "light")
 
 
+def redirect_with_icon(app, exception):
+    if exception is None and app.builder.format == "html" and app.config.master_doc != "index":
+        icon = Path(app.config.html_favicon).name  # Sphinx copies it into _static
+        (Path(app.outdir) / "index.html").write_text(
+            f'<meta http-equiv="Refresh" content="0; url={app.config.master_doc}.html" />\n'
+            f'<link rel="icon" href="_static/{icon}" />\n', encoding="utf8")
+
+
 def setup(app):
     app.connect("config-inited", default_to_light_mode)
     app.connect("html-page-context", drop_repeated_scripts)
+    app.connect("build-finished", redirect_with_icon, priority=400)  # before the toc's, at 500
     return {"parallel_read_safe": True, "parallel_write_safe": True}
