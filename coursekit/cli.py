@@ -378,7 +378,7 @@ def run_ray_nodes(args):
 
 def run_mlflow_server(args):
     from coursekit import mlflow_server
-    mlflow_server.serve(args.store, args.artifacts, args.port, args.state)
+    return mlflow_server.serve(args.store, args.artifacts, args.port, args.state)
 
 
 def run_envcheck(args):

@@ -12,11 +12,16 @@ STATE/password, which only you can read (STATE is made 0700). Every request with
 import getpass
 import os
 import secrets
+import signal
 import socket
 import stat
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import psutil
 
 from coursekit import KitError, launch, registry, runs, tracking
 
@@ -83,26 +88,78 @@ def how_to_reach(store, port, state):
         f"MLFLOW_TRACKING_PASSWORD=$(cat {state / 'password'})"])
 
 
-def refuse_taken(port):
-    """One line, before MLflow starts, if 127.0.0.1:port is taken (by another user, perhaps)."""
+def bind_error(port):
+    """Why 127.0.0.1:port cannot be bound now (another user's process has it, perhaps), or None."""
     with socket.socket() as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
         try:
             probe.bind(("127.0.0.1", port))
         except OSError as err:
-            raise KitError(f"--port {port}: 127.0.0.1:{port} cannot be used ({err.strerror}): "
-                           "choose another, or leave --port out for a free one") from None
+            return err.strerror
+    return None
+
+
+def refuse_taken(port):
+    """One line, before MLflow starts, if 127.0.0.1:port is taken."""
+    error = bind_error(port)
+    if error:
+        raise KitError(f"--port {port}: 127.0.0.1:{port} cannot be used ({error}): "
+                       "choose another, or leave --port out for a free one")
+
+
+#: Ports of its own choosing the kit tries in turn: each was free when chosen, but another user of
+#: the node may bind it before MLflow does (a race, not a mistake to report)
+PORT_ATTEMPTS = 3
 
 
 def serve(store=None, artifacts=None, port=None, state=DEFAULT_STATE):
-    """Print how to reach the server, then become it (exec: signals reach MLflow itself)."""
+    """Run the server until it is stopped, and print how to reach it once it listens. Without
+    ``port`` the kit chooses a free one, and another should someone take it before MLflow binds
+    it. Returns MLflow's exit status."""
     store = store or registry.default_store()
     state = private_state(Path(state))
-    port = port or launch.free_port()
-    refuse_taken(port)
+    if port:
+        refuse_taken(port)
     artifacts = artifacts or Path("runs") / "mlartifacts"
     tracking.make_store_private(store, Path(artifacts))
     environment = server_environment(state)
-    print(how_to_reach(store, port, state), flush=True)
-    command = server_command(store, artifacts, port)
-    os.execve(command[0], command, environment)
+    for _ in range(1 if port else PORT_ATTEMPTS):
+        chosen = port or launch.free_port()
+        server = subprocess.Popen(server_command(store, artifacts, chosen), env=environment)
+        forward_stop_signals(server)
+        if listens(server, chosen):
+            print(how_to_reach(store, chosen, state), flush=True)
+            return exit_status(server.wait())
+        if port or not bind_error(chosen):  # MLflow failed for its own reason, as it said
+            return exit_status(server.returncode)
+    raise KitError(f"{PORT_ATTEMPTS} free ports in a row were taken before MLflow could bind "
+                   "them: give one with --port")
+
+
+def listens(server, port):
+    """Wait until ``server`` (MLflow, or the process it serves from) listens on ``port``: True; or
+    until it exits: False. The socket is looked for among its own processes, since another
+    process may have taken the port."""
+    while server.poll() is None:
+        try:
+            family = psutil.Process(server.pid)
+            for process in [family, *family.children(recursive=True)]:
+                if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                       for c in process.net_connections(kind="tcp")):
+                    return True
+        except psutil.NoSuchProcess:  # a worker that ended as we looked: look again
+            pass
+        time.sleep(0.2)
+    return False
+
+
+def forward_stop_signals(server):
+    """The signals that stop a job or a terminal session go on to MLflow, as if it had been
+    started without the kit."""
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, lambda received, frame: server.send_signal(received))
+
+
+def exit_status(returncode):
+    """MLflow's exit status as a shell reports it: 128 + N where signal N ended it."""
+    return 128 - returncode if returncode < 0 else returncode

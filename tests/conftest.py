@@ -634,6 +634,25 @@ def mlflow_server_command(state, *args):
             *map(str, args)]
 
 
+#: The line the kit's MLflow server prints once it listens, with the port
+MLFLOW_REPORTED = re.compile(r"^MLflow server of \S+ on \S+:(\d+) \(127\.0\.0\.1 only\)", re.M)
+
+
+def mlflow_reported_port(log, written, server, timeout=120):
+    """The port in the server's "MLflow server of ... on host:port" line, printed once it listens,
+    after the first ``written`` bytes of ``log``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert server.poll() is None, "mlflow server exited: " + log.read_text()[-3000:]
+        with open(log, "rb") as output:
+            output.seek(written)
+            found = MLFLOW_REPORTED.search(output.read().decode(errors="replace"))
+        if found:
+            return int(found[1])
+        time.sleep(0.5)
+    raise AssertionError(f"the server reported no port within {timeout} s")
+
+
 def owner_login(state):
     """(user name, password) of the kit's MLflow server that keeps its state in ``state``."""
     return getpass.getuser(), (Path(state) / "password").read_text().strip()

@@ -36,7 +36,8 @@ import psutil
 import pytest
 import yaml
 
-from conftest import debian_tool, free_port, http_get, mlflow_server_command, owner_login
+from conftest import (debian_tool, free_port, http_get, mlflow_reported_port,
+                      mlflow_server_command, owner_login)
 from coursekit import KIT_ROOT
 
 APP = KIT_ROOT / "ondemand"
@@ -479,12 +480,14 @@ def test_session_starts_jupyterlab_behind_the_node_proxy(ruby, tmp_path):
         # The MLflow UI of lesson 06, started in the session on 127.0.0.1 by the kit, through
         # the portal: jupyter-server-proxy serves it behind the session's own login, and MLflow
         # asks for its owner's password as well (other users of the node reach 127.0.0.1 too).
-        ui_port, state = free_port(), tmp_path / "mlflow-server"
-        ui = subprocess.Popen(mlflow_server_command(
-            state, "--store", f"sqlite:///{tmp_path / 'mlflow.db'}", "--artifacts",
-            tmp_path / "mlartifacts", "--port", ui_port), stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL, start_new_session=True)
+        state, ui_log = tmp_path / "mlflow-server", tmp_path / "mlflow-ui.log"
+        with open(ui_log, "w") as output:
+            ui = subprocess.Popen(mlflow_server_command(
+                state, "--store", f"sqlite:///{tmp_path / 'mlflow.db'}", "--artifacts",
+                tmp_path / "mlartifacts"), stdout=output, stderr=subprocess.STDOUT,
+                start_new_session=True)
         try:
+            ui_port = mlflow_reported_port(ui_log, 0, ui, timeout=180)  # the kit chose it
             proxied = f"{base}/proxy/{ui_port}"
             wait_for_jupyter(f"{proxied}/health", conn["password"], ui, log, timeout=180)
             search = f"{proxied}/ajax-api/2.0/mlflow/experiments/search?max_results=5"

@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -15,8 +16,8 @@ import psutil
 import pytest
 import torch
 
-from conftest import (CreatesFile, free_port, http_get, kit_env, mlflow_server_command, owner_login,
-                      run_stage, stage_command, torchrun)
+from conftest import (CreatesFile, free_port, http_get, kit_env, mlflow_reported_port,
+                      mlflow_server_command, owner_login, run_stage, stage_command, torchrun)
 from coursekit import KIT_ROOT, KitError, runs
 from helpers import interrupt
 
@@ -120,7 +121,7 @@ def served(builtin_data, tmp_path_factory):
     The server stops while the run trains, and comes back (the same port, store and password)
     before the run is resumed. Yields what the tests read while it is back up."""
     folder = tmp_path_factory.mktemp("served")
-    port, server = start_server_at_a_free_port(folder)
+    port, server = start_server(folder)  # at a port the kit chooses
     url = f"http://127.0.0.1:{port}"
     owner = owner_login(folder / "state")
     env = kit_env({"MLFLOW_TRACKING_URI": url, "MLFLOW_TRACKING_USERNAME": owner[0],
@@ -137,7 +138,7 @@ def served(builtin_data, tmp_path_factory):
         run.send_signal(signal.SIGCONT)
         status, output = interrupt.finish(run, lines)
         metrics = runs.read_metrics(out)
-        server = start_server(folder, port)
+        _, server = start_server(folder, port)  # the same port, given
         resumed = run_stage("train_gpt2_std.py", *args, "--resume", env=env)
         yield {"folder": folder, "url": url, "port": port, "owner": owner, "out": out,
                "interrupted": (status, output, metrics), "resumed": resumed, "server": server}
@@ -148,32 +149,19 @@ def served(builtin_data, tmp_path_factory):
 SERVED_STEPS = 12
 
 
-def start_server(folder, port):
-    """The kit's MLflow server on ``port``, its state, store, artifacts and log in ``folder``,
-    once it answers."""
-    with open(folder / "server.log", "a") as log:
-        server = subprocess.Popen(mlflow_server_command(
+def start_server(folder, port=None, command=mlflow_server_command):
+    """The kit's MLflow server on ``port``, or on the one it chooses; its state, store, artifacts
+    and log in ``folder``. (port, process) once it answers at the port it reported."""
+    log = folder / "server.log"
+    written = log.stat().st_size if log.exists() else 0
+    with open(log, "a") as output:
+        server = subprocess.Popen(command(
             folder / "state", "--store", f"sqlite:///{folder / 'server.db'}", "--artifacts",
-            folder / "server-artifacts", "--port", port), stdout=log, stderr=subprocess.STDOUT,
-            env=kit_env(), start_new_session=True)
+            folder / "server-artifacts", *(["--port", port] if port else [])), stdout=output,
+            stderr=subprocess.STDOUT, env=kit_env(), start_new_session=True)
+    port = mlflow_reported_port(log, written, server)
     wait_for(f"http://127.0.0.1:{port}/health", server)
-    return server
-
-
-def start_server_at_a_free_port(folder, attempts=3):
-    """(port, server) of start_server at a free port (free_port), or at another should another
-    process take that one before the server binds it."""
-    for _ in range(attempts):
-        port, log = free_port(), folder / "server.log"
-        written = log.stat().st_size if log.exists() else 0
-        try:
-            return port, start_server(folder, port)
-        except AssertionError:
-            with open(log, "rb") as output:
-                output.seek(written)
-                if b"address already in use" not in output.read().lower():
-                    raise
-    raise AssertionError(f"{attempts} ports in a row were taken before the server bound them")
+    return port, server
 
 
 def stop_server(server):
@@ -245,6 +233,37 @@ def test_the_mlflow_servers_state_must_be_private(tmp_path):
     assert result.stderr.startswith(f"error: {state} must be yours and closed to others (mode "
                                     "755"), result.stderr
     assert not (state / "password").exists()
+
+
+#: `python -m coursekit mlflow-server ARGS` whose first choice of port is PORT, which the test
+#: holds: as if another user of the node had bound the free port the kit chose before MLflow did
+FIRST_CHOICE_TAKEN = """
+import sys
+from coursekit import cli, launch
+choices = iter([int(sys.argv[1]), launch.free_port()])
+launch.free_port = lambda: next(choices)
+raise SystemExit(cli.main(sys.argv[2:]))
+"""
+
+
+def test_a_port_taken_before_mlflow_binds_it_is_replaced_by_another(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+
+        def first_choice_taken(state, *args):
+            return [sys.executable, "-c", FIRST_CHOICE_TAKEN, str(port), "mlflow-server",
+                    "--state", str(state), *map(str, args)]
+
+        reported, server = start_server(tmp_path, command=first_choice_taken)
+        try:
+            assert reported != port
+            log = (tmp_path / "server.log").read_text()
+            assert f"error while attempting to bind on address ('127.0.0.1', {port})" in log
+            assert http_get(f"http://127.0.0.1:{reported}/health")[0] == 200
+        finally:
+            stop_server(server)
 
 
 def wait_for(url, process, timeout=120):
