@@ -124,9 +124,11 @@ $(SHAPES_DATA): $(INSTALLED)
 # The pretrained model lesson 05 fine-tunes: the std stage's tiny run, in Hugging Face format.
 # The corpus is needed first, but preparing it again (the Slurm tests' data job does, with the
 # same content) must not train and export the model again while lessons and tests read it:
-# order-only. The export needs transformers, from the second install.
+# order-only. The export needs transformers, from the second install. One thread, since pip has
+# the other core: a second thread would wait for it, spinning (0.6 CPU-s a step instead of 0.5
+# on an idle machine; 263 CPU-s for the run in a fresh `make test`, where pip was busy).
 $(BASE_RUN): $(CORE) | $(BUILTIN_DATA)
-	$(BIN)/python solutions/train_gpt2_std.py --preset tiny --data data/builtin --out runs/base-tiny \
+	OMP_NUM_THREADS=1 $(BIN)/python solutions/train_gpt2_std.py --preset tiny --data data/builtin --out runs/base-tiny \
 	  --resume
 	touch $@
 
