@@ -13,7 +13,10 @@ import shlex
 import socket
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import psutil
 
 #: The signals torchrun passes on to its workers: Slurm's SIGUSR1 before the time limit among
 #: them, so that the training processes checkpoint and exit.
@@ -30,6 +33,39 @@ def free_port():
     with socket.socket() as probe:
         probe.bind(("", 0))
         return probe.getsockname()[1]
+
+
+#: Ports of its own choosing a server the kit starts is given in turn: each was free when chosen,
+#: but another user of the node may bind it before the server does (a race, not a mistake)
+PORT_ATTEMPTS = 3
+
+
+def bind_error(port, host="127.0.0.1"):
+    """Why host:port cannot be bound now (another user's process has it, perhaps), or None."""
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as servers do
+        try:
+            probe.bind((host, port))
+        except OSError as err:
+            return err.strerror
+    return None
+
+
+def listens(server, port):
+    """Wait until ``server`` (a process, or one it started) listens on ``port``: True; or until
+    it exits: False. The socket is looked for among its own processes, since another process may
+    have taken the port."""
+    while server.poll() is None:
+        try:
+            family = psutil.Process(server.pid)
+            for process in [family, *family.children(recursive=True)]:
+                if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
+                       for c in process.net_connections(kind="tcp")):
+                    return True
+        except psutil.NoSuchProcess:  # a process that ended as we looked: look again
+            pass
+        time.sleep(0.2)
+    return False
 
 
 #: How often a batch job's torchrun starts its group again after a process crashed (a segfault,

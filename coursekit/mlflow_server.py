@@ -18,10 +18,7 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
-
-import psutil
 
 from coursekit import KitError, launch, registry, runs, tracking
 
@@ -88,28 +85,12 @@ def how_to_reach(store, port, state):
         f"MLFLOW_TRACKING_PASSWORD=$(cat {state / 'password'})"])
 
 
-def bind_error(port):
-    """Why 127.0.0.1:port cannot be bound now (another user's process has it, perhaps), or None."""
-    with socket.socket() as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server will
-        try:
-            probe.bind(("127.0.0.1", port))
-        except OSError as err:
-            return err.strerror
-    return None
-
-
 def refuse_taken(port):
     """One line, before MLflow starts, if 127.0.0.1:port is taken."""
-    error = bind_error(port)
+    error = launch.bind_error(port)
     if error:
         raise KitError(f"--port {port}: 127.0.0.1:{port} cannot be used ({error}): "
                        "choose another, or leave --port out for a free one")
-
-
-#: Ports of its own choosing the kit tries in turn: each was free when chosen, but another user of
-#: the node may bind it before MLflow does (a race, not a mistake to report)
-PORT_ATTEMPTS = 3
 
 
 def serve(store=None, artifacts=None, port=None, state=DEFAULT_STATE):
@@ -123,34 +104,19 @@ def serve(store=None, artifacts=None, port=None, state=DEFAULT_STATE):
     artifacts = artifacts or Path("runs") / "mlartifacts"
     tracking.make_store_private(store, Path(artifacts))
     environment = server_environment(state)
-    for _ in range(1 if port else PORT_ATTEMPTS):
+    for _ in range(1 if port else launch.PORT_ATTEMPTS):
         chosen = port or launch.free_port()
         server = subprocess.Popen(server_command(store, artifacts, chosen), env=environment)
         forward_stop_signals(server)
-        if listens(server, chosen):
+        if launch.listens(server, chosen):
             print(how_to_reach(store, chosen, state), flush=True)
             return exit_status(server.wait())
-        if port or not bind_error(chosen):  # MLflow failed for its own reason, as it said
+        if port or not launch.bind_error(chosen):  # MLflow failed for its own reason, as it said
             return exit_status(server.returncode)
-    raise KitError(f"{PORT_ATTEMPTS} free ports in a row were taken before MLflow could bind "
-                   "them: give one with --port")
-
-
-def listens(server, port):
-    """Wait until ``server`` (MLflow, or the process it serves from) listens on ``port``: True; or
-    until it exits: False. The socket is looked for among its own processes, since another
-    process may have taken the port."""
-    while server.poll() is None:
-        try:
-            family = psutil.Process(server.pid)
-            for process in [family, *family.children(recursive=True)]:
-                if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port
-                       for c in process.net_connections(kind="tcp")):
-                    return True
-        except psutil.NoSuchProcess:  # a worker that ended as we looked: look again
-            pass
-        time.sleep(0.2)
-    return False
+        print(f"port {chosen} was taken before MLflow could bind it", file=sys.stderr,
+              flush=True)
+    raise KitError(f"{launch.PORT_ATTEMPTS} free ports in a row were taken before MLflow "
+                   "could bind them: give one with --port")
 
 
 def forward_stop_signals(server):

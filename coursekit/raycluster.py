@@ -60,17 +60,18 @@ def node_address():
 
 
 def start_command(temp_dir, head, port=None, address=None, cpus=None, gpus=None,
-                  dashboard_port=None):
+                  dashboard_port=None, client_port=None):
     """`ray start` for one node, in the foreground (--block) so that the job step lasts as long as
-    the node does."""
+    the node does. A head's dashboard must start, or the head fails: by default Ray goes on
+    without it when its port is taken, and the port the kit announced is then another's."""
     beside_python = Path(sys.executable).with_name("ray")  # the kit's, whether or not on PATH
     ray = str(beside_python) if beside_python.exists() else shutil.which("ray") or "ray"
     command = [ray, "start", "--block", "--temp-dir", str(temp_dir),
                "--node-ip-address", node_address(), "--disable-usage-stats"]
     if head:  # its other listening ports free now too: another user's head may share the host
-        command += ["--head", "--port", str(port), "--dashboard-host", "127.0.0.1",
-                    "--dashboard-port", str(dashboard_port),
-                    "--ray-client-server-port", str(launch.free_port())]
+        command += ["--head", "--port", str(port), "--include-dashboard", "true",
+                    "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard_port),
+                    "--ray-client-server-port", str(client_port)]
     else:
         command += ["--address", address]
     if cpus is not None:
@@ -83,19 +84,28 @@ def start_command(temp_dir, head, port=None, address=None, cpus=None, gpus=None,
 def run_node(head, port=None, address=None, cpus=None, gpus=None):
     """Run one Ray node until it is told to stop (SIGTERM, as `scancel --signal=TERM` sends the
     job's steps); its private directory goes with it. Returns 0 once stopped, else ray start's
-    exit status."""
+    exit status. A head's dashboard and client ports are the kit's choice: should another user of
+    the node bind one of them first, the head fails to start, and starts again on others."""
     check_token()
-    dashboard_port = launch.free_port() if head else None
-    if head:
-        host = socket.gethostname()
-        print(f"dashboard: 127.0.0.1:{dashboard_port} on {host}, behind the job's token (in "
-              f"$RAY_AUTH_TOKEN_PATH): ssh -L {dashboard_port}:127.0.0.1:{dashboard_port} {host}, "
-              f"through the login node, then open http://127.0.0.1:{dashboard_port}", flush=True)
+    for _ in range(launch.PORT_ATTEMPTS if head else 1):
+        chosen = [launch.free_port(), launch.free_port()] if head else []
+        status, stopped = run_ray_start(head, port, address, cpus, gpus, *chosen)
+        taken = [chosen_port for chosen_port in chosen if launch.bind_error(chosen_port)]
+        if stopped or not taken:
+            break
+        print(f"port {taken[0]} was taken before the head could bind it", file=sys.stderr,
+              flush=True)
+    return 0 if stopped else status  # ray start exits 1 when it is stopped, as asked
+
+
+def run_ray_start(head, port, address, cpus, gpus, dashboard_port=None, client_port=None):
+    """`ray start` in a directory of this user's alone, until it ends: (its exit status, whether
+    a stop signal ended it). A head's dashboard is announced once it listens."""
     with tempfile.TemporaryDirectory(prefix="kit-ray-") as parent:  # mode 0700
         # no draining on SIGTERM: it readies Ray Serve's replicas to move, and waits for the head,
         # which is stopping too
         node = subprocess.Popen(start_command(ray_folder(parent), head, port, address, cpus, gpus,
-                                              dashboard_port),
+                                              dashboard_port, client_port),
                                 env={**os.environ, **PATIENT_START,
                                      "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"})
         stopped = []
@@ -106,8 +116,13 @@ def run_node(head, port=None, address=None, cpus=None, gpus=None):
 
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, stop)
-        status = node.wait()
-    return 0 if stopped else status  # ray start exits 1 when it is stopped, as asked
+        if head and launch.listens(node, dashboard_port):
+            host = socket.gethostname()
+            print(f"dashboard: 127.0.0.1:{dashboard_port} on {host}, behind the job's token (in "
+                  f"$RAY_AUTH_TOKEN_PATH): ssh -L {dashboard_port}:127.0.0.1:{dashboard_port} "
+                  f"{host}, through the login node, then open http://127.0.0.1:{dashboard_port}",
+                  flush=True)
+        return node.wait(), bool(stopped)
 
 
 def ray_folder(parent):

@@ -1,5 +1,6 @@
 """Ray on a local cluster that the tests share (each script would otherwise start its own, 10 s or
-more). Ray Data embeds the chunks of lesson 09 (solutions/ray_embed.py) as the embedder does
+more), whose head starts while a socket of the test holds the first port the kit chose for its
+dashboard: the head starts again on another port, and says which. Ray Data embeds the chunks of lesson 09 (solutions/ray_embed.py) as the embedder does
 alone. Ray Train runs the ddp stage's training (solutions/ray_train_gpt2.py): 2 workers take the
 same steps as the ddp stage on 2 processes, within the tolerance the ddp stage is held to (to the
 std stage's), and leave the stages' run directory. Ray Tune searches lesson 07's space
@@ -9,40 +10,78 @@ import os
 import re
 import secrets
 import signal
+import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import ONE_THREAD, TEN_STEPS, free_port, kit_env, run_stage
+from conftest import ONE_THREAD, TEN_STEPS, free_port, http_get, kit_env, run_stage
 from coursekit import KIT_ROOT, presets, rag, raycluster, runs
 from solutions import hpo_optuna
 
 pytestmark = pytest.mark.stages
 
 
+#: `python -m coursekit ray-node ARGS` whose first choice of a port is PORT, which the test holds:
+#: as if another user of the node had bound it before the head's dashboard could
+FIRST_CHOICE_TAKEN = """
+import sys
+from coursekit import cli, launch
+choose = launch.free_port
+choices = iter([int(sys.argv[1])])
+launch.free_port = lambda: next(choices, None) or choose()
+raise SystemExit(cli.main(sys.argv[2:]))
+"""
+
+
 @pytest.fixture(scope="module")
-def ray_env(tmp_path_factory):
-    """The environment of a driver of one local Ray head, started as a job's batch file starts
-    it (behind a token in a file of mode 0600), with the module's tests as its drivers."""
-    token = tmp_path_factory.mktemp("ray") / "token"
+def ray_head(tmp_path_factory):
+    """One local Ray head, started as a job's batch file starts it (behind a token in a file of
+    mode 0600), with the module's tests as its drivers: {"env": a driver's environment, "log":
+    the head's output, "taken": the port the kit chose first for its dashboard, which a socket
+    of the test held, as a co-tenant's would}."""
+    folder = tmp_path_factory.mktemp("ray")
+    token, log = folder / "token", folder / "head.log"
     token.touch(mode=0o600)
     token.write_text(secrets.token_hex(32))
     port = free_port()
     env = kit_env({**ONE_THREAD, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
                    "RAY_ADDRESS": f"{raycluster.node_address()}:{port}"})
-    head = subprocess.Popen([sys.executable, "-m", "coursekit", "ray-node", "--head", "--port",
-                             str(port), "--cpus", str(os.cpu_count())], cwd=KIT_ROOT, env=env)
-    try:
-        joined = subprocess.run([sys.executable, "-m", "coursekit", "ray-nodes", "--address",
-                                 env["RAY_ADDRESS"], "--expect", "1"], cwd=KIT_ROOT, env=env,
-                                timeout=120)
-        assert joined.returncode == 0 and head.poll() is None, f"the Ray head exited: {head.poll()}"
-        yield env
-    finally:
-        head.send_signal(signal.SIGTERM)
-        head.wait(timeout=60)
+    with socket.socket() as taken, open(log, "w") as output:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        head = subprocess.Popen([sys.executable, "-c", FIRST_CHOICE_TAKEN,
+                                 str(taken.getsockname()[1]), "ray-node", "--head", "--port",
+                                 str(port), "--cpus", str(os.cpu_count())], cwd=KIT_ROOT,
+                                env=env, stdout=output, stderr=subprocess.STDOUT)
+        try:
+            joined = subprocess.run([sys.executable, "-m", "coursekit", "ray-nodes", "--address",
+                                     env["RAY_ADDRESS"], "--expect", "1"], cwd=KIT_ROOT, env=env,
+                                    timeout=120)
+            assert joined.returncode == 0 and head.poll() is None, log.read_text()[-3000:]
+            yield {"env": env, "log": log, "taken": taken.getsockname()[1]}
+        finally:
+            head.send_signal(signal.SIGTERM)
+            head.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def ray_env(ray_head):
+    return ray_head["env"]
+
+
+def test_a_head_whose_dashboard_port_was_taken_starts_again_on_another(ray_head):
+    output = ray_head["log"].read_text()
+    assert f"Failed to bind to 127.0.0.1:{ray_head['taken']}" in output, output[-3000:]
+    [announced] = re.findall(r"^dashboard: 127\.0\.0\.1:(\d+) on ", output, re.M)
+    assert int(announced) != ray_head["taken"]
+    version, token = f"http://127.0.0.1:{announced}/api/version", Path(
+        ray_head["env"]["RAY_AUTH_TOKEN_PATH"]).read_text().strip()
+    assert http_get(version)[0] == 401  # Ray's dashboard, behind the job's token
+    assert http_get(version, headers={"Authorization": f"Bearer {token}"})[0] == 200
 
 
 def test_ray_data_embeds_every_chunk_as_the_embedder_does_alone(kit_embedder, tmp_path, ray_env):

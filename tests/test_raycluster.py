@@ -48,9 +48,11 @@ def test_the_head_asks_for_its_dashboard_on_loopback_and_keeps_its_files_apart(t
     """The command line; the socket a real head binds is checked in test_slurm.py
     (test_a_ray_cluster_spans_both_nodes_for_its_owner_alone_and_stops_on_sigusr1)."""
     command = raycluster.start_command(tmp_path / "own", head=True, port=6379, cpus=2,
-                                       dashboard_port=8765)
+                                       dashboard_port=8765, client_port=8766)
     options = dict(zip(command, command[1:]))
     assert options["--dashboard-host"] == "127.0.0.1" and options["--dashboard-port"] == "8765"
+    assert options["--include-dashboard"] == "true"  # else a taken port leaves the head without
+    assert options["--ray-client-server-port"] == "8766"
     assert options["--temp-dir"] == str(tmp_path / "own") and "--block" in command
     assert options["--node-ip-address"] == raycluster.node_address()
     worker = raycluster.start_command(tmp_path / "w", head=False, address="node1:6379", gpus=4)
