@@ -629,6 +629,22 @@ class CreatesFile:
 
 
 # --- The kit's MLflow server (coursekit/mlflow_server.py) ---------------------------------------
+#: `python -m coursekit ARGS` whose first choice of a free port (launch.free_port) is PORT, which
+#: the test holds: as if another user of the node had bound it before the kit's server could
+FIRST_PORT_TAKEN = """
+import sys
+from coursekit import cli, launch
+choose = launch.free_port
+choices = iter([int(sys.argv[1])])
+launch.free_port = lambda: next(choices, None) or choose()
+raise SystemExit(cli.main(sys.argv[2:]))
+"""
+
+
+def coursekit_with_first_port_taken(port, *args):
+    return [sys.executable, "-c", FIRST_PORT_TAKEN, str(port), *map(str, args)]
+
+
 def mlflow_server_command(state, *args):
     return [sys.executable, "-m", "coursekit", "mlflow-server", "--state", str(state),
             *map(str, args)]

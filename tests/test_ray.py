@@ -18,23 +18,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import ONE_THREAD, TEN_STEPS, free_port, http_get, kit_env, run_stage
+from conftest import (ONE_THREAD, TEN_STEPS, coursekit_with_first_port_taken, free_port,
+                      http_get, kit_env, run_stage)
 from coursekit import KIT_ROOT, presets, rag, raycluster, runs
 from solutions import hpo_optuna
 
 pytestmark = pytest.mark.stages
-
-
-#: `python -m coursekit ray-node ARGS` whose first choice of a port is PORT, which the test holds:
-#: as if another user of the node had bound it before the head's dashboard could
-FIRST_CHOICE_TAKEN = """
-import sys
-from coursekit import cli, launch
-choose = launch.free_port
-choices = iter([int(sys.argv[1])])
-launch.free_port = lambda: next(choices, None) or choose()
-raise SystemExit(cli.main(sys.argv[2:]))
-"""
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +42,9 @@ def ray_head(tmp_path_factory):
     with socket.socket() as taken, open(log, "w") as output:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        head = subprocess.Popen([sys.executable, "-c", FIRST_CHOICE_TAKEN,
-                                 str(taken.getsockname()[1]), "ray-node", "--head", "--port",
-                                 str(port), "--cpus", str(os.cpu_count())], cwd=KIT_ROOT,
-                                env=env, stdout=output, stderr=subprocess.STDOUT)
+        head = subprocess.Popen(coursekit_with_first_port_taken(
+            taken.getsockname()[1], "ray-node", "--head", "--port", port, "--cpus",
+            os.cpu_count()), cwd=KIT_ROOT, env=env, stdout=output, stderr=subprocess.STDOUT)
         try:
             joined = subprocess.run([sys.executable, "-m", "coursekit", "ray-nodes", "--address",
                                      env["RAY_ADDRESS"], "--expect", "1"], cwd=KIT_ROOT, env=env,

@@ -16,8 +16,9 @@ import psutil
 import pytest
 import torch
 
-from conftest import (CreatesFile, free_port, http_get, kit_env, mlflow_reported_port,
-                      mlflow_server_command, owner_login, run_stage, stage_command, torchrun)
+from conftest import (CreatesFile, coursekit_with_first_port_taken, free_port, http_get, kit_env,
+                      mlflow_reported_port, mlflow_server_command, owner_login, run_stage,
+                      stage_command, torchrun)
 from coursekit import KIT_ROOT, KitError, runs
 from helpers import interrupt
 
@@ -235,17 +236,6 @@ def test_the_mlflow_servers_state_must_be_private(tmp_path):
     assert not (state / "password").exists()
 
 
-#: `python -m coursekit mlflow-server ARGS` whose first choice of port is PORT, which the test
-#: holds: as if another user of the node had bound the free port the kit chose before MLflow did
-FIRST_CHOICE_TAKEN = """
-import sys
-from coursekit import cli, launch
-choices = iter([int(sys.argv[1]), launch.free_port()])
-launch.free_port = lambda: next(choices)
-raise SystemExit(cli.main(sys.argv[2:]))
-"""
-
-
 def test_a_port_taken_before_mlflow_binds_it_is_replaced_by_another(tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -253,8 +243,7 @@ def test_a_port_taken_before_mlflow_binds_it_is_replaced_by_another(tmp_path):
         port = taken.getsockname()[1]
 
         def first_choice_taken(state, *args):
-            return [sys.executable, "-c", FIRST_CHOICE_TAKEN, str(port), "mlflow-server",
-                    "--state", str(state), *map(str, args)]
+            return coursekit_with_first_port_taken(port, "mlflow-server", "--state", state, *args)
 
         reported, server = start_server(tmp_path, command=first_choice_taken)
         try:
