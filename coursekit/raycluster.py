@@ -18,6 +18,7 @@ SSH tunnel. A local Ray (no job, no RAY_ADDRESS) uses the token Ray keeps in ~/.
 kit makes its owner's alone first (private_default_token).
 """
 import atexit
+import json
 import os
 import secrets
 import shutil
@@ -171,25 +172,75 @@ def connect(address=None):
     return ray.init(address=address, _node_ip_address=node_address(), logging_level="warning")
 
 
+#: One try of wait_for_nodes, in a process of its own: its last line of output is JSON, the hosts
+#: of the cluster's nodes ({"hosts": ...}) or why not ({"error": ...})
+ONE_TRY = """
+import json, sys
+from coursekit import KitError, raycluster
+try:
+    answer = {"hosts": raycluster.nodes_with_a_task_each(sys.argv[1], int(sys.argv[2]),
+                                                         float(sys.argv[3]))}
+except KitError as err:
+    answer = {"error": str(err)}
+print(json.dumps(answer), flush=True)
+"""
+
+
 def wait_for_nodes(address, expected, timeout=300):
-    """Connect to the cluster and wait until ``expected`` nodes are alive; then run one task on
-    each node. Returns {node address: the host name its task reported}."""
+    """Wait until ``expected`` nodes of the cluster at ``address`` are alive, then run one task on
+    each: {node id: the host name its task reported}. Ray aborts a driver whose head started
+    again (WrongClusterID), as the kit's head does when another process took one of its ports
+    first, and a driver can start before the head has: so each try runs in a process of its own,
+    and one that ends without an answer is made again until ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        one_try = subprocess.run([sys.executable, "-c", ONE_TRY, address, str(expected),
+                                  str(max(deadline - time.monotonic(), 1))],
+                                 stdout=subprocess.PIPE, text=True)
+        answer = last_json_line(one_try.stdout)
+        if "error" in answer:
+            raise KitError(answer["error"])
+        if "hosts" in answer:
+            return answer["hosts"]
+        if time.monotonic() >= deadline:
+            raise KitError(f"no Ray cluster answered at {address} within {timeout} s: see the "
+                           "job's log for the head's errors")
+        print(f"the Ray cluster at {address} did not answer, or its head started again "
+              f"(exit status {one_try.returncode}): connecting again", file=sys.stderr, flush=True)
+        time.sleep(1)
+
+
+def last_json_line(output):
+    """The JSON object on the last line of ``output``, or {} where there is none."""
+    try:
+        return json.loads(output.splitlines()[-1])
+    except (IndexError, json.JSONDecodeError):
+        return {}
+
+
+def nodes_with_a_task_each(address, expected, timeout):
+    """wait_for_nodes in this process: connect, wait for the nodes, run one task on each."""
     import ray
 
     connect(address)
     deadline = time.monotonic() + timeout
-    while len(alive := [n for n in ray.nodes() if n["Alive"]]) < expected:
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    if len(alive) < expected:
+        print(f"ray cluster at {address}: {len(alive)} of {expected} nodes up, waiting for the "
+              "others", file=sys.stderr, flush=True)
+    while len(alive) < expected:
         if time.monotonic() > deadline:
-            raise KitError(f"only {len(alive)} of {expected} Ray nodes joined within {timeout} s: "
-                           "see the job's log for the others' errors")
+            raise KitError(f"only {len(alive)} of {expected} Ray nodes joined within {timeout:.0f}"
+                           " s: see the job's log for the others' errors")
         time.sleep(1)
+        alive = [n for n in ray.nodes() if n["Alive"]]
     on_node = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy
 
     @ray.remote(num_cpus=0)
     def host():
         return socket.gethostname()
 
-    tasks = {n["NodeManagerAddress"]:
+    tasks = {n["NodeID"]:  # not its address: two nodes may share a host
              host.options(scheduling_strategy=on_node(n["NodeID"], soft=False)).remote()
              for n in alive}
     hosts = dict(zip(tasks, ray.get(list(tasks.values()))))

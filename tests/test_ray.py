@@ -1,11 +1,14 @@
 """Ray on a local cluster that the tests share (each script would otherwise start its own, 10 s or
-more), whose head starts while a socket of the test holds the first port the kit chose for its
-dashboard: the head starts again on another port, and says which. Ray Data embeds the chunks of lesson 09 (solutions/ray_embed.py) as the embedder does
-alone. Ray Train runs the ddp stage's training (solutions/ray_train_gpt2.py): 2 workers take the
-same steps as the ddp stage on 2 processes, within the tolerance the ddp stage is held to (to the
-std stage's), and leave the stages' run directory. Ray Tune searches lesson 07's space
-(solutions/ray_tune_gpt2.py): ASHA stops the worse trials at its rungs; under PBT a trial goes on
-from another's checkpoint with a perturbed learning rate."""
+more). A driver waiting for the cluster's nodes outlives a head that stops and starts again on its
+port. The head starts while a socket of the test holds the first port the kit chose for its
+dashboard: it starts again on another port, and says which. Ray Data embeds the chunks of lesson
+09 (solutions/ray_embed.py) as the embedder does alone. Ray Train runs the ddp stage's training
+(solutions/ray_train_gpt2.py): 2 workers take the same steps as the ddp stage on 2 processes,
+within the tolerance the ddp stage is held to (to the std stage's), and leave the stages' run
+directory. Ray Tune searches lesson 07's space (solutions/ray_tune_gpt2.py): ASHA stops the worse
+trials at its rungs; under PBT a trial goes on from another's checkpoint with a perturbed learning
+rate."""
+import contextlib
 import os
 import re
 import secrets
@@ -13,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -26,39 +30,80 @@ from solutions import hpo_optuna
 pytestmark = pytest.mark.stages
 
 
+def coursekit(stack, log, env, *args, first_port=None):
+    """`python -m coursekit ARGS` writing to the file ``log``, stopped (SIGTERM) with ``stack``
+    if still running; its first choice of a free port is ``first_port``, where given."""
+    command = (coursekit_with_first_port_taken(first_port, *args) if first_port
+               else [sys.executable, "-m", "coursekit", *map(str, args)])
+    with open(log, "w") as output:
+        process = subprocess.Popen(command, cwd=KIT_ROOT, env=env, stdout=output,
+                                   stderr=subprocess.STDOUT)
+    stack.callback(stop, process)
+    return process
+
+
+def stop(process):
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+
+
+def wait_for_line(log, pattern, process, timeout=180):
+    """The first match of ``pattern`` in the file ``log``, where ``process`` writes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and process.poll() is None:
+        if found := re.search(pattern, log.read_text(), re.M):
+            return found
+        time.sleep(0.5)
+    raise AssertionError(f"no {pattern!r} in {log}: " + log.read_text()[-3000:])
+
+
 @pytest.fixture(scope="module")
 def ray_head(tmp_path_factory):
     """One local Ray head, started as a job's batch file starts it (behind a token in a file of
-    mode 0600), with the module's tests as its drivers: {"env": a driver's environment, "log":
-    the head's output, "taken": the port the kit chose first for its dashboard, which a socket
-    of the test held, as a co-tenant's would}."""
+    mode 0600), with the module's tests as its drivers. A driver that waits for 2 nodes
+    (`coursekit ray-nodes`, as the batch files wait) first reaches another head on the same port,
+    which then stops, as the kit's head does when another process took one of its ports. The
+    module's head starts while a socket of the test holds the first port the kit chooses for its
+    dashboard, and a second node joins it. {"env": a driver's environment, "log": the head's
+    output, "taken": that port, "waiting": what the waiting driver printed}."""
     folder = tmp_path_factory.mktemp("ray")
-    token, log = folder / "token", folder / "head.log"
+    token = folder / "token"
     token.touch(mode=0o600)
     token.write_text(secrets.token_hex(32))
     port = free_port()
     env = kit_env({**ONE_THREAD, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
                    "RAY_ADDRESS": f"{raycluster.node_address()}:{port}"})
-    with socket.socket() as taken, open(log, "w") as output:
+    log = {name: folder / f"{name}.log" for name in ("first", "head", "second", "waiting")}
+    with contextlib.ExitStack() as stack, socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
-        head = subprocess.Popen(coursekit_with_first_port_taken(
-            taken.getsockname()[1], "ray-node", "--head", "--port", port, "--cpus",
-            os.cpu_count()), cwd=KIT_ROOT, env=env, stdout=output, stderr=subprocess.STDOUT)
-        try:
-            joined = subprocess.run([sys.executable, "-m", "coursekit", "ray-nodes", "--address",
-                                     env["RAY_ADDRESS"], "--expect", "1"], cwd=KIT_ROOT, env=env,
-                                    timeout=120)
-            assert joined.returncode == 0 and head.poll() is None, log.read_text()[-3000:]
-            yield {"env": env, "log": log, "taken": taken.getsockname()[1]}
-        finally:
-            head.send_signal(signal.SIGTERM)
-            head.wait(timeout=60)
+        first = coursekit(stack, log["first"], env, "ray-node", "--head", "--port", port,
+                          "--cpus", 1)
+        waiting = coursekit(stack, log["waiting"], env, "ray-nodes", "--address",
+                            env["RAY_ADDRESS"], "--expect", 2, "--timeout", 240)
+        wait_for_line(log["waiting"], r"1 of 2 nodes up, waiting", waiting)
+        stop(first)
+        head = coursekit(stack, log["head"], env, "ray-node", "--head", "--port", port, "--cpus",
+                         os.cpu_count(), first_port=taken.getsockname()[1])
+        wait_for_line(log["head"], r"^dashboard: ", head)
+        second = coursekit(stack, log["second"], env, "ray-node", "--address",
+                           env["RAY_ADDRESS"], "--cpus", 1)
+        assert waiting.wait(timeout=240) == 0, log["waiting"].read_text()[-3000:]
+        stop(second)
+        yield {"env": env, "log": log["head"], "taken": taken.getsockname()[1],
+               "waiting": log["waiting"].read_text()}
 
 
 @pytest.fixture(scope="module")
 def ray_env(ray_head):
     return ray_head["env"]
+
+
+def test_a_driver_waiting_for_its_nodes_outlives_a_head_that_starts_again(ray_head):
+    output = ray_head["waiting"]
+    assert "its head started again (exit status 1): connecting again" in output, output[-3000:]
+    assert re.search(r"^ray cluster at \S+: 2 nodes, a task ran on each", output, re.M), output
 
 
 def test_a_head_whose_dashboard_port_was_taken_starts_again_on_another(ray_head):
