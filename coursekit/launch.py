@@ -8,6 +8,7 @@ ids included, to anyone) can write a crafted pickle there and run code in the la
 job's owner. The static rendezvous keeps only plain bytes and JSON in the same store. It needs each node's rank (under Slurm, $SLURM_NODEID) and a port on the first node,
 chosen free when the job starts rather than derived from something another user can predict.
 """
+import getpass
 import os
 import shlex
 import socket
@@ -33,6 +34,14 @@ def free_port():
     with socket.socket() as probe:
         probe.bind(("", 0))
         return probe.getsockname()[1]
+
+
+def ssh_tunnel(port):
+    """The command, run on a trainee's laptop, that brings port ``port`` of this node's loopback
+    (where the kit's servers listen, and nowhere else) to the same port there, through the login
+    node."""
+    user, host = getpass.getuser(), socket.gethostname()
+    return f"ssh -N -J {user}@<login node> -L {port}:127.0.0.1:{port} {user}@{host}"
 
 
 #: Ports of its own choosing a server the kit starts is given in turn: each was free when chosen,

@@ -79,7 +79,7 @@ def how_to_reach(store, port, state):
     return "\n".join([
         f"MLflow server of {store} on {host}:{port} (127.0.0.1 only), for {user} alone: log in as",
         f"{user} with the password in {state / 'password'} (readable by you alone). From your laptop:",
-        f"  ssh -N -J {user}@<login node> -L {port}:127.0.0.1:{port} {user}@{host}",
+        f"  {launch.ssh_tunnel(port)}",
         f"then open http://127.0.0.1:{port}. Scripts on this node log to it with",
         f"  MLFLOW_TRACKING_URI=http://127.0.0.1:{port} MLFLOW_TRACKING_USERNAME={user} "
         f"MLFLOW_TRACKING_PASSWORD=$(cat {state / 'password'})"])

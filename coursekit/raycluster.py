@@ -118,11 +118,10 @@ def run_ray_start(head, port, address, cpus, gpus, dashboard_port=None, client_p
         for signum in (signal.SIGTERM, signal.SIGINT):
             signal.signal(signum, stop)
         if head and launch.listens(node, dashboard_port):
-            host = socket.gethostname()
-            print(f"dashboard: 127.0.0.1:{dashboard_port} on {host}, behind the job's token (in "
-                  f"$RAY_AUTH_TOKEN_PATH): ssh -L {dashboard_port}:127.0.0.1:{dashboard_port} "
-                  f"{host}, through the login node, then open http://127.0.0.1:{dashboard_port}",
-                  flush=True)
+            print(f"dashboard: 127.0.0.1:{dashboard_port} on {socket.gethostname()}, behind the "
+                  f"job's token (in $RAY_AUTH_TOKEN_PATH). From your laptop: "
+                  f"{launch.ssh_tunnel(dashboard_port)}, then open "
+                  f"http://127.0.0.1:{dashboard_port}", flush=True)
         return node.wait(), bool(stopped)
 
 

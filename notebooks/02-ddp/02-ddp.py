@@ -79,7 +79,10 @@ LONGER_RUNS = torch.cuda.is_available()
 # the whole minibatch. All ranks then take the same optimiser step from the same weights, so the
 # copies stay identical. Weights are sent once: when DDP wraps the model it broadcasts rank 0's
 # parameters and buffers to every rank, so that all copies start equal; after that, only
-# gradients travel.
+# gradients travel, for the GPT, which has no buffers that change. A model with BatchNorm (lesson
+# 08's ResNet) also has DDP broadcast rank 0's buffers, its running means and variances, before
+# every forward (`broadcast_buffers=True`, the default); each rank still normalises with its own
+# batch's statistics, unless the layers are converted to `SyncBatchNorm`, which gathers them.
 #
 # Check the maths on the GPT of lesson 01 before any process is started: the gradient of 8
 # samples equals the mean of the gradients of two halves of 4.
@@ -121,9 +124,9 @@ print(demo.stdout)
 # The all-reduce moves every gradient byte across the network. A **ring all-reduce** of a
 # gradient of $S$ bytes over $N$ ranks is a reduce-scatter then an all-gather, $N-1$ steps each,
 # and in every step each rank sends one $S/N$ chunk to its neighbour and receives one from the
-# other: each rank sends $2(N-1)/N \times S$ bytes per step and receives as many. For GPT-2 124M
-# in fp32, $S \approx 0.5$ GB: on 8 GPUs each GPU sends $2 \cdot 7/8 \cdot 0.5 = 0.875$ GB per
-# step and receives 0.875 GB, and on any number of GPUs less than $2S$ = 1 GB each way: nearly
+# other: each rank sends $2(N-1)/N \times S$ bytes per all-reduce and receives as many. For GPT-2
+# 124M in fp32, $S \approx 0.5$ GB: on 8 GPUs each GPU sends $2 \cdot 7/8 \cdot 0.5 = 0.875$ GB per
+# all-reduce (one per training step) and receives 0.875 GB, and on any number of GPUs less than $2S$ = 1 GB each way: nearly
 # independent of $N$, which is why data parallelism scales to thousands of GPUs.
 #
 # Bandwidth is not the only limit. Each of the $2(N-1)$ steps also pays a latency (tens of
@@ -411,8 +414,8 @@ print(f"largest loss difference over {len(one)} steps: "
 # times.
 
 # %% [markdown]
-# The weak-scaling baseline is one process at one microbatch per step. It runs twice as many
-# steps, so that it sees as many tokens as the runs above; we use it again in the next section.
+# The weak-scaling baseline is one process at one microbatch per step. It runs N times as many
+# steps (N = `NPROC`, the processes of the runs above), so that it sees as many tokens as the runs above; we use it again in the next section.
 
 # %% tags=["demo"]
 small_batch = train("weak-1", 1, MICROBATCH_TOKENS, STEPS * NPROC)

@@ -139,12 +139,28 @@ for name, model in (("tiny", TINY), ("GPT-2 124M", GPT2), ("GPT-2 1.5B", widgets
 # | ZeRO-1 | optimiser state | reduce-scatter gradients, all-gather parameters ($\approx 2\times$) | optimiser state is the biggest part |
 # | ZeRO-2 | + gradients | the same | |
 # | **FSDP** (ZeRO-3) | + parameters: every rank holds $1/N$ of everything | all-gather each block's parameters in forward *and* backward, reduce-scatter gradients ($\approx 3\times$) | the model does not fit; the default choice |
-# | **tensor parallel** (TP) | every matrix, by columns or rows; activations too | all-reduces (or all-gather + reduce-scatter) of activations, twice per block, forward and backward | one layer or its activations are too big; inside a node (NVLink) |
+# | **tensor parallel** (TP) | every matrix, by columns or rows; with sequence parallelism, the activations too | all-reduces (or all-gather + reduce-scatter) of activations, twice per block, forward and backward | one layer or its activations are too big; inside a node (NVLink) |
 # | **pipeline parallel** (PP) | consecutive blocks: stage $s$ holds blocks of its own | each microbatch's activations, sent to the next stage (and gradients back) | many nodes on a slow network; very deep models |
 #
-# TP and PP cut the activations too, because each rank computes only part of each layer (TP) or
-# only some layers (PP); FSDP cuts only the parameter, gradient and optimiser memory. Large
-# trainings combine them: **2-D** (FSDP across nodes × TP inside a node) or **3-D** (with PP).
+# FSDP cuts only the parameter, gradient and optimiser memory. TP with sequence parallelism
+# splits the activations as well: each rank computes a part of every layer and keeps its part of
+# each activation. PP does not, although each stage holds only some blocks: under 1F1B (part 2)
+# the first of $p$ stages keeps $p$ microbatches in flight, each with the activations of its
+# $L/p$ blocks, so $L$ blocks' worth of one microbatch, as much as an unsplit rank. The kit's
+# memory model shows it for GPT-2 124M (micro-batch 8 of 1,024 tokens, bf16):
+
+# %% tags=["demo"]
+for ranks in (1, 2, 4):
+    held = {strategy: memory.per_rank_bytes(GPT2, strategy, ranks, "bf16-mixed", 8, 1024)
+            ["activations"] for strategy in ("fsdp", "tp")}
+    held["pp, first stage"] = memory.pipeline_stage_bytes(GPT2, ranks, "bf16-mixed", 8,
+                                                          1024)[0]["activations"]
+    print(f"{ranks} ranks, activations per rank: "
+          + ", ".join(f"{name} {value / 1e9:.2f} GB" for name, value in held.items()))
+
+# %% [markdown]
+# Large trainings combine them: **2-D** (FSDP across nodes × TP inside a node) or **3-D** (with
+# PP), and checkpoint activations where they still do not fit.
 #
 # **Exercise 1.** Write `bytes_per_rank(n_params, strategy, world_size)`: a dictionary with the
 # fp32 bytes of `"params"`, `"grads"` and `"optimizer"` (Adam's two states) that one of
@@ -228,7 +244,8 @@ assert smallest_world_size(widgets.MODELS["70B shape"], "pp", 40, 1, 4096) is No
 # parameters, and freed again after; in backward they are gathered once more, and the gradients
 # are **reduce-scattered** so that each rank keeps the gradient of its own shard. The optimiser
 # then updates only local shards. Sharding every block, then the root (the embeddings and final
-# norm), means only one block's parameters are whole at a time.
+# norm), means few blocks' parameters are whole at a time: the block that runs, and the next, whose
+# all-gather FSDP2 starts early (it *prefetches*) so that the communication overlaps the compute.
 #
 # The model is the same `solutions/gpt.py` as in every stage: FSDP is applied to it from outside.
 # The diff `diffs/ddp-fsdp.patch`:

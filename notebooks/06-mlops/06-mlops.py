@@ -828,8 +828,9 @@ for label in ("forward", "backward", "optimizer"):
 #   `--track tensorboard` writes event files instead.
 # - `mlflow.search_runs` gives a DataFrame of runs (params, last metrics, tags) to filter, sort and
 #   tabulate; `MlflowClient` gives metric histories, artifacts and the registry.
-# - The MLflow UI has no login: run it on `127.0.0.1` of a compute node (`batch-mlflow-ui.sh`) and
-#   reach it through an SSH tunnel, or through Open OnDemand's proxy.
+# - MLflow's plain server has no login; the kit's (`coursekit mlflow-server`,
+#   `batch-mlflow-ui.sh`) lets in its owner alone, with a password. Run it on `127.0.0.1` of a
+#   compute node and reach it through an SSH tunnel, or through Open OnDemand's proxy.
 # - Reproducibility needs seeds, deterministic kernels on GPUs (`use_deterministic_algorithms`,
 #   `CUBLAS_WORKSPACE_CONFIG`), the environment, the commit and the exact data; a different
 #   number of processes changes the order of sums, and so the last digits.

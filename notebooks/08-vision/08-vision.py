@@ -229,13 +229,21 @@ assert shards_for_reader(tuple(SHARDS), 1, 2, 0, 2) == ["train-000001.tar", "tra
 # `num_workers=0`, or in worker processes that prepare the next batches while the GPU computes
 # the current one. Let us time each stage on one batch of 64, in this process, nothing else
 # running. The model is the kit's ResNet-18 (`solutions/resnet.py`, the same layout as
-# torchvision's `resnet18`), a quarter as wide so that a laptop computes a step in a blink.
+# torchvision's `resnet18`), a quarter as wide so that a laptop computes a step in a blink. Its
+# BatchNorm layers carry buffers (running means and variances), so under DDP more than gradients
+# travel: DDP broadcasts rank 0's buffers before every forward (lesson 02). Each rank normalises
+# with its own batch's statistics; `nn.SyncBatchNorm.convert_sync_batchnorm(model)` makes them
+# the whole minibatch's, at the cost of a collective per layer in every forward: worth it when
+# each rank's batch is small.
 #
 # torchvision is what clusters use for the model (`--model torchvision-resnet18`), and its v2
 # transforms augment tensors on a GPU. Its wheels on the package registry are built against
 # CUDA's torch, though, and with a CPU-only torch they fail to import (`operator torchvision::nms
 # does not exist`): the kit defines its own ResNet and augments with Kornia, so that this lesson
-# runs anywhere.
+# runs anywhere. On a cluster, install torchvision from the same index as the torch you use (for
+# a CUDA 12.8 build, `pip install torchvision --index-url https://download.pytorch.org/whl/cu128`),
+# or take the one in the site's PyTorch module: a torchvision built for another torch fails the
+# same way.
 
 # %%
 BATCH = 64
@@ -353,9 +361,15 @@ print(f"{cores} core(s) here. From 0 to {WORKERS[-1]} workers the loader went "
 # way: the cores (two workers and the training process on two cores take turns), starting the
 # workers, and handing each batch from a worker to the training process (through shared memory).
 # On a GPU node, give each GPU's process its share of the cores (`--cpus-per-task`) and a worker
-# for most of them: the kit's batch files start `cores - 1` workers, at most 16, and
-# `pin_memory=True` makes the copy to the GPU asynchronous, so the copy of one batch overlaps the
-# compute of the one before.
+# for most of them: the kit's batch files start `cores - 1` workers, at most 16, with
+# `pin_memory=True`. Pinned memory and `.to(device, non_blocking=True)` free the CPU thread:
+# the call returns before the copy is done, and the process goes on to queue the step's kernels.
+# They do not make the copy overlap the previous step's compute: the stage copies on the default
+# CUDA stream, where it waits behind that step's kernels. Overlap needs the copy of the next
+# batch on a second stream while this one computes (a *prefetcher*), or a loader that does it
+# for you: NVIDIA DALI decodes, augments and copies on the GPU in a pipeline of its own, and is
+# worth it when the CPU cores, not the copy, are what a node lacks. At this lesson's sizes the
+# copy is a small part of a step (the table above).
 #
 # ## Augmentation on the device
 #

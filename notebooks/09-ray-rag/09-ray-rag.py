@@ -130,10 +130,13 @@ print("the actor has seen", ray.get([tally.add.remote(square) for square, _, _ i
 #   this on their Slurm cluster). The local Ray of this notebook has a token too (Ray turns it on
 #   for a local Ray), kept in `~/.ray`: `raycluster.connect()` first makes that folder yours
 #   alone, where Ray would leave the token readable by anyone who can enter your home folder.
-# - **Dashboard.** Ray's web page listens on the head node only, behind the same token. Reach
-#   it from your laptop through an SSH tunnel (`ssh -L 8265:<head node>:8265 <login node>`) or
-#   through Open OnDemand, never by opening a port.
-# - **Stopping.** Slurm sends SIGUSR1 a minute before the time limit. The batch file passes it
+# - **Dashboard.** Ray's web page listens on the head node's 127.0.0.1 only, on a port chosen
+#   when the head starts, behind the same token. The job's log prints the port `P` and the
+#   tunnel to run on your laptop, through the login node:
+#   `ssh -N -J <login node> -L P:127.0.0.1:P <head node>`; then open `http://127.0.0.1:P`. Or
+#   go through Open OnDemand; never open a port.
+# - **Stopping.** Slurm sends SIGUSR1 180 s before the time limit (the site files'
+#   `#SBATCH --signal=B:USR1@180`). The batch file passes it
 #   to the driver, which checkpoints and stops; then the job stops every node and waits for
 #   them, so no Ray process outlives the job.
 #
@@ -251,7 +254,8 @@ ray.shutdown()  # the lesson needs Ray no more: its processes go
 # A retriever returns a ranked list. For one question, the **reciprocal rank** is $1/r$, where $r$
 # is the rank of the first relevant chunk (1 for the top), or 0 when none is among the first
 # $k$ returned. The **mean reciprocal rank** (MRR) averages it over the questions: 1 means
-# every answer came first; 0.5, on average second. **Recall@k** is the share of questions with
+# every answer came first; 0.5 when, say, every answer came second, or half came first and the
+# others not at all (it averages $1/r$, not $r$). **Recall@k** is the share of questions with
 # a relevant chunk in the first $k$: what a model that reads the top $k$ can find.
 #
 # **Exercise 1.** Write `mean_reciprocal_rank(ranks)`: `ranks` holds, for each question, the rank
@@ -367,13 +371,14 @@ assert best_chunk_size(table, 127) == (32, 3)
 # chunk size and depth are those of your `best_chunk_size` for BM25.
 #
 # Two scores, each against the reference answers: the **token F1** of the model's greedy answer
-# (the harmonic mean of the precision and recall of its words, SQuAD's score), and the mean
+# (the harmonic mean of the precision and recall of its words, a SQuAD-style score: SQuAD's
+# official F1 also drops articles and punctuation), and the mean
 # log-probability per token that the model gives the reference answer, a finer measure for a
 # model that rarely writes the right words. For a bound, an *extractive* reader answers with the
 # first sentence of the top chunk, as a reader that copies perfectly would.
 #
-# **Exercise 3.** Write `token_f1(prediction, reference)`, SQuAD's score of an answer. Take the
-# words of each in lower case (`re.findall(r"\w+", text.lower())`), count the words they share (a
+# **Exercise 3.** Write `token_f1(prediction, reference)`, the SQuAD-style score of an answer.
+# Take the words of each in lower case (`re.findall(r"\w+", text.lower())`), count the words they share (a
 # word that occurs twice in both counts twice), and return the harmonic mean of the precision
 # (shared words over the prediction's) and the recall (shared words over the reference's) as a
 # float: 0.0 when they share none.

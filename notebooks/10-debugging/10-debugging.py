@@ -309,11 +309,16 @@ for rank in (0, 1):
 # steps synchronise too. Two ranks in two different collectives: the mismatch. **The fix.** No
 # collective in a branch that only some ranks take (here: no barrier; a file write needs none).
 #
-# On GPUs, NCCL's **flight recorder** (`TORCH_NCCL_TRACE_BUFFER_SIZE=2000`, dumped
-# on a timeout) records each rank's last collectives, and
-# `python -m torch.distributed.flight_recorder.fr_trace` compares them across ranks. When the
-# ranks call collectives of different sizes, gloo does not hang but aborts: `Received data size
-# doesn't match expected size. Is there a distributed collective mismatch in your code?`.
+# On GPUs, NCCL's **flight recorder** keeps each rank's last collectives in a ring buffer
+# (`TORCH_NCCL_TRACE_BUFFER_SIZE=2000`). That alone writes nothing: `TORCH_NCCL_DUMP_ON_TIMEOUT=1`
+# dumps each rank's record when a collective times out, to `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`
+# followed by the rank. Its default, `/tmp/nccl_trace_rank_`, lies where every user of the node
+# can write, and the records are pickles that the reader loads: point it into a folder of yours,
+# such as the run's (`$RUN_DIR/nccl_trace_rank_`). Then
+# `python -m torch.distributed.flight_recorder.fr_trace` compares them across ranks (see
+# [PyTorch's ProcessGroupNCCL variables](https://docs.pytorch.org/docs/stable/torch_nccl_environment_variables.html)).
+# When the ranks call collectives of different sizes, gloo does not hang but aborts:
+# `Received data size doesn't match expected size. Is there a distributed collective mismatch in your code?`.
 # `TORCH_DISTRIBUTED_DEBUG=DETAIL` checks every collective's type and shapes across ranks before
 # running it, on GPUs; with DDP on gloo, the CPU build this course tests with (torch 2.13) crashes
 # in DDP's constructor under it, so this lesson does not use it.
@@ -404,9 +409,17 @@ assert trains_like("same-data", "std-one-share")
 #
 # On a GPU: `torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.07 GiB`, and
 # `torch.cuda.memory_summary()` tells how much the allocator held and what for. On this CPU,
-# a memory limit on the process (3 GB of address space, as a job's `--mem` limit or a node's
-# memory does) shows the same: a micro-batch of 32 needs the gradients of 32 x 128 x 50,304
+# a limit on each process's address space (`RLIMIT_AS`, 3 GB) makes an allocation past it fail
+# the same way, inside Python: a micro-batch of 32 needs the gradients of 32 x 128 x 50,304
 # logits at once.
+#
+# A job's `--mem` is not such a limit. Slurm enforces it with a cgroup on the resident memory of
+# all the job's processes on a node, and when they reach it the kernel kills one with SIGKILL:
+# no Python error at all. The log just ends (torchrun reports a child lost to signal 9) and
+# Slurm adds `slurmstepd: error: Detected 1 oom-kill event(s) in StepId=... cgroup`, and
+# `sacct -j JOBID -o State,MaxRSS` says `OUT_OF_MEMORY` (OSC's and NeSI's pages on oom-kill
+# show both). The first-aid page has both symptoms. (`RLIMIT_AS` is no tool for a
+# GPU job either: CUDA reserves far more address space than memory, and fails under it.)
 
 # %% tags=["demo"]
 LIMIT = 3 * 10**9
@@ -534,9 +547,12 @@ print("made in forward by:", *(forward_trace[i].strip() + ": " + forward_trace[i
                                for i in in_model[-2:]), sep="\n  ")
 
 # %% [markdown]
-# **The fix.** A learning rate the model can take (the preset's), reached by a warm-up. In 16-bit
-# training on GPUs there is a third cause: fp16 without loss scaling, whose gradients overflow to
-# inf (the stages scale the loss in fp16, lesson 01).
+# **The fix.** A learning rate the model can take (the preset's), reached by a warm-up. In fp16
+# there are two more causes. Activations above fp16's largest number, 65,504, become inf, and
+# then NaN. And a loss scale set too high makes the scaled gradients inf; GradScaler skips those
+# steps and lowers the scale. Without loss scaling the small gradients do not overflow: they
+# *underflow* to zero, and the model stops learning without a NaN in sight (the stages scale the
+# loss in fp16, lesson 04).
 #
 # **Exercise 3: where it went wrong.** Write `diverged_at(records, factor=10)`: the first step
 # whose `grad_norm` is not finite, or more than `factor` times the median `grad_norm` of all the
