@@ -40,8 +40,9 @@
 #
 # A GPU is a throughput machine: thousands of simple cores and matrix units ("tensor cores") that
 # do the same operation on many numbers at once. Training a neural network is mostly matrix
-# multiplication, which is why GPUs are used: an NVIDIA H100 does about 989 **TFLOP/s**
-# (10¹² floating-point operations per second) in bf16, a laptop CPU a fraction of one.
+# multiplication, which is why GPUs are used: an NVIDIA H100 (SXM) does about 989 **TFLOP/s**
+# (10¹² floating-point operations per second) in bf16 on dense matrices, by NVIDIA's datasheet,
+# a laptop CPU a fraction of one (this lesson measures yours).
 #
 # First, what does this kernel see? (Its paths and devices are the machine's that runs it: the
 # book leaves the output out, so run the cell yourself.)

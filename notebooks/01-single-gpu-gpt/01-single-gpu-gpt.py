@@ -329,8 +329,9 @@ for temperature in (0.5, 1.0):
 
 # %% [markdown]
 # After a few dozen steps on a laptop the model has learned common words and punctuation, not
-# meaning. GPT-2 124M on FineWeb-Edu needs 19,073 steps of 524,288 tokens: about
-# an hour and a half on eight A100s, half a day on one.
+# meaning. GPT-2 124M on FineWeb-Edu needs 19,073 steps of 524,288 tokens (10B tokens): llm.c's
+# reproduction took about an hour and a half on one node of eight A100s
+# (github.com/karpathy/llm.c/discussions/481), so roughly half a day on one.
 #
 # ## Model FLOPs utilisation (MFU)
 #
@@ -381,7 +382,9 @@ print(f"{fpt / 1e6:.1f} MFLOP per token x {median_tokens_per_s:,.0f} tokens/s = 
 # - *Everything outside the GPU*: Python overhead, data loading, logging and, from lesson 02 on,
 #   communication between GPUs.
 #
-# Good GPT-2 runs on A100s and H100s reach 35-50%.
+# For an idea of what to aim at (reported figures, not a measurement of this kit): well-tuned
+# GPT-2 trainings on A100s and H100s report 35-50%. The self-test (`coursekit selftest`)
+# measures your stages' MFU on your nodes.
 
 # %% [markdown]
 # ## Key points

@@ -454,8 +454,8 @@ widgets.scaling_calculator({1: 1 / throughput(one), NPROC: 1 / throughput(many)}
 #
 # A low efficiency says that something limits the run, not what. Three kinds of evidence say
 # what: tokens/s at 1 and $N$ GPUs, as above; how busy the GPUs were (`nvidia-smi`); and where a
-# step's time went (the profiler of lesson 06). Here are four runs, with figures of the kind such
-# runs show:
+# step's time went (the profiler of lesson 06). Here are four runs as an illustration: made-up
+# figures of the kind such runs show, not measurements:
 #
 # | run | GPUs | tok/s, 1 GPU | tok/s, $N$ GPUs | GPUs busy | where a step's time goes at $N$ GPUs |
 # |---|---|---|---|---|---|
