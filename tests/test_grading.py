@@ -18,8 +18,9 @@ from coursekit import KIT_ROOT, KitError, diffs, grading, trainee
 pytestmark = pytest.mark.grading
 LESSONS = grading.lessons(KIT_ROOT)
 
-#: Answers that call the kit (or Optuna) for what the exercise asks: {lesson: {solution cell: its
-#: source}}. Each is graded in place of that exercise's solution and must score 0 on its tests.
+#: Answers that call the kit (or Optuna) for what the exercise asks, or write in what it must
+#: find: {lesson: {solution cell: its source}}. Each is graded in place of that exercise's
+#: solution and must score 0 on its tests.
 SHORTCUTS = {
     "00-gpus-and-hpc": {
         "speedup": """
@@ -92,6 +93,11 @@ SHORTCUTS = {
 
             def token_f1(prediction, reference):
                 return kit_token_f1(prediction, reference)""",
+    },
+    "10-debugging": {  # a port written into the code, which another job may hold
+        "fixed_launch": """
+            def fixed_launch(out):
+                return [node_command(rank, 29500, out) for rank in (0, 1)]""",
     },
 }
 
