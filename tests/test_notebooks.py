@@ -43,11 +43,16 @@ def test_no_outputs_committed(lesson):
 
 
 @pytest.mark.parametrize("lesson", LESSONS)
-def test_lesson_has_objectives_time_exercises_and_key_points(lesson):
+def test_lesson_has_questions_objectives_time_exercises_and_key_points(lesson):
     cells = jupytext.read(lesson_notebook(lesson)).cells
     text = "\n".join(c.source for c in cells if c.cell_type == "markdown")
-    for heading in ("**Objectives.**", "**Prerequisites.**", "**Time.**", "## Key points"):
+    for heading in ("**Questions.**", "**Objectives.**", "**Prerequisites.**", "**Time.**",
+                    "## Key points"):
         assert heading in text
+    # the questions open the lesson, beside its objectives (the Carpentries' lesson header)
+    assert cells[0].cell_type == "markdown" and "**Questions.**" in cells[0].source
+    questions = r"\*\*Questions\.\*\*[^\n]*\n(- .+\n(  .+\n)*){2,}\n\*\*Objectives"
+    assert re.search(questions, cells[0].source)  # two questions or more, then the objectives
     graded = [c for c in cells if c.metadata.get("nbgrader", {}).get("grade")]
     assert len(graded) >= 3 and all(c.metadata["nbgrader"]["points"] > 0 for c in graded)
     assert any("### BEGIN HIDDEN TESTS" in c.source for c in graded)

@@ -16,6 +16,12 @@
 # %% [markdown]
 # # 00 · GPUs, nodes and clusters
 #
+# **Questions.** This lesson answers
+# - What is inside a GPU node, and how do many nodes make a cluster?
+# - How fast is my device, measured, against its peak?
+# - How much faster can $N$ GPUs make a job, and what stops them?
+# - How do I get GPUs on a shared cluster: a batch job, or a JupyterLab session?
+#
 # **Objectives.** After this lesson you can
 # - describe how a cluster is built from nodes, and a node from CPUs and GPUs;
 # - measure the FLOP/s your device reaches on a matrix multiplication and compare it with its peak;

@@ -16,6 +16,11 @@
 # %% [markdown]
 # # 01 · A GPT on one GPU
 #
+# **Questions.** This lesson answers
+# - What is a GPT made of, and where do its parameters sit?
+# - What happens in one training step, and how many tokens does it see?
+# - How well does a run use the device it is given?
+#
 # **Objectives.** After this lesson you can
 # - use the words of the course precisely: vocabulary, data set, sample, microbatch, minibatch,
 #   step, epoch, and do the arithmetic that links them;

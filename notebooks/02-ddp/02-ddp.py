@@ -16,6 +16,11 @@
 # %% [markdown]
 # # 02 · Data parallelism with DDP
 #
+# **Questions.** This lesson answers
+# - How can $N$ processes train one model as one process would, only faster?
+# - Which process reads which data, and how do they agree on the weights?
+# - When does adding GPUs stop paying, and how do I find out why?
+#
 # **Objectives.** After this lesson you can
 # - explain why averaging the gradients of $N$ processes gives the gradient of the global batch,
 #   and what DistributedDataParallel (DDP) overlaps with the backward pass;

@@ -16,6 +16,10 @@
 # %% [markdown]
 # # 03 · PyTorch Lightning
 #
+# **Questions.** This lesson answers
+# - What can a framework take off my training script, and what stays mine?
+# - How do I switch strategies, devices and nodes without touching the model?
+#
 # **Objectives.** After this lesson you can
 # - say what Lightning automates in a training script and what stays your job;
 # - split a training script into a `LightningModule` (what to compute) and a `Trainer` (where

@@ -16,6 +16,11 @@
 # %% [markdown]
 # # 04 · Model parallelism: FSDP, tensor and pipeline parallelism
 #
+# **Questions.** This lesson answers
+# - Where does training memory go, and what if the model does not fit one GPU?
+# - What do FSDP, tensor and pipeline parallelism each split, and what do they send?
+# - Which strategy, or mix, suits a given model and machine?
+#
 # **Objectives.** After this lesson you can
 # - add up the memory of training (parameters, gradients, optimiser state, activations) in bytes
 #   per parameter, and say which part outgrows a GPU first;

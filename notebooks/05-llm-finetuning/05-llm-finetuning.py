@@ -16,6 +16,11 @@
 # %% [markdown]
 # # 05 · Fine-tuning a language model with LoRA
 #
+# **Questions.** This lesson answers
+# - How can a model with billions of weights be adapted by training a few million?
+# - How is an instruction-following model trained, and how do I tell that it learned?
+# - Which Accelerate configuration fits my model on my GPUs?
+#
 # **Objectives.** After this lesson you can
 # - say what full fine-tuning, adapters and LoRA each train, and what each saves in memory;
 # - write a LoRA layer, $y = Wx + \frac{\alpha}{r} BAx$, and check it against PEFT's;

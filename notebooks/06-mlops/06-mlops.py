@@ -16,6 +16,11 @@
 # %% [markdown]
 # # 06 · MLOps: tracking, reproducibility, the registry, monitoring and profiling
 #
+# **Questions.** This lesson answers
+# - How do I keep track of hundreds of runs, and compare them?
+# - What does a run need to be reproduced, and how do I check that it is?
+# - How do I share a model safely, and watch a job that is running?
+#
 # **Objectives.** After this lesson you can
 # - log a run's parameters, per-step metrics, system information and artifacts to MLflow with
 #   `--track mlflow`, and find them again from Python;

@@ -16,6 +16,11 @@
 # %% [markdown]
 # # 07 · Hyperparameter optimisation on HPC: Optuna, pruning, Slurm arrays
 #
+# **Questions.** This lesson answers
+# - How do I choose hyperparameters when every trial costs a training run?
+# - How do many GPUs search together without repeating each other or wasting trials?
+# - How do I run a search as a Slurm array that survives pre-emption?
+#
 # **Objectives.** After this lesson you can
 # - say why the validation loss, as a function of the hyperparameters, is a black box: no
 #   gradient, noisy and expensive, and what follows for how to search it;

@@ -16,6 +16,11 @@
 # %% [markdown]
 # # 08 · Computer vision at scale: keeping the GPUs fed
 #
+# **Questions.** This lesson answers
+# - Why do GPUs training on images so often wait for data?
+# - Which stage of the input pipeline is the slowest, and how many workers does it need?
+# - How should images be stored and dealt out on a parallel file system?
+#
 # **Objectives.** After this lesson you can
 # - name the stages that bring an image from disk to a GPU (read, decode, augment, copy) and
 #   time each of them, and the training step they feed;

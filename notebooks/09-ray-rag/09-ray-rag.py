@@ -16,6 +16,12 @@
 # %% [markdown]
 # # 09 · Ray on Slurm, and retrieval-augmented generation
 #
+# **Questions.** This lesson answers
+# - How do I run Python across the nodes of a Slurm job without writing a launcher?
+# - How do I keep a cluster service, like Ray's, for my own use alone?
+# - How does retrieval give a language model facts it was not trained on, and how do I measure
+#   it?
+#
 # **Objectives.** After this lesson you can
 # - run Python functions and classes as Ray tasks and actors, and say where each ran;
 # - start a Ray cluster inside a Slurm job that no other user of the cluster can reach, and stop

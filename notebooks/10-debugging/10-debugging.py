@@ -16,6 +16,12 @@
 # %% [markdown]
 # # 10 · When distributed training breaks: diagnose, fix, and prove it
 #
+# **Questions.** This lesson answers
+# - My job hangs, crashes or trains badly on many GPUs: where do I start?
+# - Which evidence tells a hang at the start from one in a collective, or a slow rank from a slow
+#   network?
+# - How do I prove that a fix works?
+#
 # **Objectives.** After this lesson you can
 # - tell a job that hangs at its start (the rendezvous) from one that hangs in a collective, with
 #   timeouts, the launcher's log and each rank's stack;
