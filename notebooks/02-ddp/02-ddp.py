@@ -36,7 +36,7 @@
 # **Prerequisites.** Lessons 00 and 01: the stage script `train_gpt2_std.py`, tokens per step,
 # speedup and efficiency.
 #
-# **Time.** About 75 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
+# **Time.** About 80 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
 # The time is an estimate; the instructor guide says how it is made.
 
 # %%

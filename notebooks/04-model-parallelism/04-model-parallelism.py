@@ -37,7 +37,7 @@
 # **Prerequisites.** Lesson 02: ranks, all-reduce, the global batch, `torchrun`.
 #
 # **Time.** About 3 hours, in three parts (the end of each is marked): about 40 minutes for
-# memory and FSDP, 25 for tensor and pipeline parallelism, and 2 hours for the lab that converts
+# memory and FSDP, 30 for tensor and pipeline parallelism, and 2 hours for the lab that converts
 # the stage scripts, most of it typing the diffs' lines. The times are estimates of reading, the
 # exercises, and waiting for the cells on a laptop's CPU; the instructor guide says how they are
 # made.

@@ -37,7 +37,7 @@
 # **Prerequisites.** Lesson 02 (DDP, the process group), lesson 05 (the lora stage, the Alpaca
 # prompt), lesson 07 (trials, pruning, a search space).
 #
-# **Time.** About 50 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
+# **Time.** About 55 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
 # The time is an estimate; the instructor guide says how it is made.
 #
 # Slurm and `torchrun` start the same program on many processes. Ray starts a *cluster*

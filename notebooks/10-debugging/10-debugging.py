@@ -38,7 +38,7 @@
 # **Prerequisites.** Lesson 02 (DDP, torchrun, the process group), lesson 04 (what a rank holds in
 # memory), the cluster chapter (batch files, `squeue`, `sacct`).
 #
-# **Time.** About 65 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
+# **Time.** About 75 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
 # The time is an estimate; the instructor guide says how it is made.
 #
 # Every job below is the ddp stage (`solutions/train_gpt2_ddp.py`) on 2 processes with one small
