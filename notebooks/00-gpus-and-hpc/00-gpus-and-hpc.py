@@ -25,13 +25,17 @@
 # **Objectives.** After this lesson you can
 # - describe how a cluster is built from nodes, and a node from CPUs and GPUs;
 # - measure the FLOP/s your device reaches on a matrix multiplication and compare it with its peak;
+# - name what a GPU is built of (SMs, tensor cores, HBM), measure your device's memory bandwidth,
+#   and tell from an operation's arithmetic intensity whether memory or compute limits it;
+# - say how the GPUs of a node are linked to each other and to the network, and read
+#   `nvidia-smi topo -m`;
 # - compute speedup and parallel efficiency, and predict the limit Amdahl's law sets;
 # - read a Slurm batch file, submit it, and name the `SLURM_*` variables a job sees;
 # - start a JupyterLab session with GPUs from Open OnDemand.
 #
 # **Prerequisites.** Python and a little NumPy; no GPU needed.
 #
-# **Time.** About 50 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
+# **Time.** About 55 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
 # The time is an estimate; the instructor guide says how it is made.
 
 # %% [markdown]
@@ -126,6 +130,95 @@ ax.set_xlabel("matrix size n")
 ax.set_ylabel("TFLOP/s")
 ax.legend()
 plt.show()
+
+# %% [markdown]
+# ## Inside a GPU: compute, memory, and the roofline
+#
+# An NVIDIA H100 (SXM) is 132 **streaming multiprocessors** (SMs), each with its own schedulers,
+# registers, a fast on-chip memory and 4 **tensor cores**: units that multiply small matrix tiles
+# in one instruction, where most of the 989 TFLOP/s come from (the other cores do element-wise
+# work at a fraction of that). Beside the chip sits 80 GB of **HBM** (high-bandwidth memory),
+# read and written at 3.35 TB/s; every tensor of a training run lives there (NVIDIA's H100
+# datasheet; an A100 80GB has 108 SMs, 312 TFLOP/s and 2.0 TB/s, an AMD MI250X 3.2 TB/s for its
+# two dies).
+#
+# Whether an operation is limited by compute or by memory depends on its **arithmetic
+# intensity**: the FLOPs it does per byte it moves between memory and the chip. An $n \times n$
+# matrix product does $2n^3$ FLOPs on $3n^2$ numbers (two read, one written): at 4 bytes a
+# number, $n/6$ FLOP per byte, more the larger $n$. Adding two tensors does 1 FLOP per 12 bytes,
+# whatever their size. The **roofline** model says what an operation of intensity $I$ can reach:
+#
+# $$\text{FLOP/s} \le \min(\text{peak FLOP/s},\; I \times \text{memory bandwidth})$$
+#
+# Below the "ridge", $I$ = peak / bandwidth (about 300 FLOP per byte on an H100 in bf16), an
+# operation waits for memory whatever the tensor cores could do: element-wise operations,
+# normalisations and small matrix products are memory-bound, which is why fusing them (lesson 01's
+# `torch.compile`) pays. Measure both roofs of your device, and place two operations under them:
+
+# %% tags=["demo"]
+def timed(work, repeats):
+    """Seconds one ``work()`` takes, waiting for the device before reading the clock."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(repeats):
+        work()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def copy_bandwidth(megabytes=256 if device == "cuda" else 64, repeats=5):
+    """Bytes a second this device moves in a copy of a large tensor (read once, written once)."""
+    source = torch.empty(megabytes * 2**20 // 4, device=device, dtype=torch.float32).normal_()
+    target = torch.empty_like(source)
+    target.copy_(source)  # warm-up
+    seconds = timed(lambda: target.copy_(source), repeats)
+    return 2 * source.nbytes / seconds
+
+
+bandwidth = copy_bandwidth()
+x, y, total = (torch.randn(2**24, device=device) for _ in range(3))
+add_flops = x.numel() / timed(lambda: torch.add(x, y, out=total), 5)  # 1 FLOP in 12 bytes
+matmul_intensity = [n / (6 if dtype == torch.float32 else 3) for n in sizes]
+roof = peak or max(tflops) * 1e12  # no known peak: the best matrix product stands in for it
+print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s, compute roof {roof / 1e12:.2f} TFLOP/s: "
+      f"the ridge at {roof / bandwidth:.0f} FLOP per byte")
+print(f"x + y: {add_flops / 1e9:.2f} GFLOP/s at 1/12 FLOP per byte; the best matrix product: "
+      f"{max(tflops) * 1e3:.0f} GFLOP/s")
+assert add_flops < max(tflops) * 1e12 / 10  # memory-bound: far under the matrix products
+
+intensities = sorted([2.0**k for k in range(-5, 13)] + [roof / bandwidth])  # with the ridge
+fig, ax = plt.subplots(figsize=(6, 3.5))
+ax.plot(intensities, [min(roof, i * bandwidth) / 1e12 for i in intensities], "k-",
+        label="roofline: min(peak, I x bandwidth)")
+ax.plot(matmul_intensity, tflops, "o", label="n x n matrix products (above)")
+ax.plot([1 / 12], [add_flops / 1e12], "s", label="x + y")
+ax.set(xscale="log", yscale="log", xlabel="arithmetic intensity I (FLOP per byte)",
+       ylabel="TFLOP/s", title=f"roofline of {perf.device_name(device)}")
+ax.legend()
+plt.show()
+
+# %% [markdown]
+# Between GPUs the roofs are links. Inside a node, **NVLink** (NVIDIA; 900 GB/s per H100 across
+# its links) or AMD's Infinity Fabric joins the GPUs directly; between nodes each GPU reaches the
+# others over the network at tens of GB/s (400 Gb/s InfiniBand NDR is 50 GB/s a port, Slingshot
+# 25 GB/s a NIC). That gap of one or two orders of magnitude decides, from lesson 02 on, which
+# traffic may cross nodes. On a GPU node, `nvidia-smi topo -m` (or `rocm-smi --showtopo` on AMD)
+# prints the matrix of how each pair of GPUs, and each GPU and network card, is connected: `NV18`
+# is 18 NVLinks, `SYS` or `NODE` a path through the CPUs (slower), and the `NIC` rows say which
+# network card is nearest each GPU. Run it in a GPU session:
+
+# %% tags=["cluster", "demo", "remove-output"]
+import shutil
+import subprocess
+
+topology = shutil.which("nvidia-smi") or shutil.which("rocm-smi")
+if topology:
+    flags = ["topo", "-m"] if topology.endswith("nvidia-smi") else ["--showtopo"]
+    print(subprocess.run([topology, *flags], capture_output=True, text=True).stdout)
+else:
+    print("No GPU tools here: on a GPU node, `nvidia-smi topo -m` prints the links between GPUs.")
 
 # %% [markdown]
 # ## Speedup and parallel efficiency
