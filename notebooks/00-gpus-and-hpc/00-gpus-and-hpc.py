@@ -169,8 +169,9 @@ def timed(work, repeats):
 
 
 def copy_bandwidth(megabytes=256 if device == "cuda" else 64, repeats=5):
-    """Bytes a second this device moves in a copy of a large tensor (read once, written once)."""
-    source = torch.empty(megabytes * 2**20 // 4, device=device, dtype=torch.float32).normal_()
+    """Bytes a second this device moves copying a large tensor (read once, written once)."""
+    numbers = megabytes * 2**20 // 4
+    source = torch.empty(numbers, device=device, dtype=torch.float32).normal_()
     target = torch.empty_like(source)
     target.copy_(source)  # warm-up
     seconds = timed(lambda: target.copy_(source), repeats)
@@ -179,16 +180,17 @@ def copy_bandwidth(megabytes=256 if device == "cuda" else 64, repeats=5):
 
 bandwidth = copy_bandwidth()
 x, y, total = (torch.randn(2**24, device=device) for _ in range(3))
-add_flops = x.numel() / timed(lambda: torch.add(x, y, out=total), 5)  # 1 FLOP in 12 bytes
+# x + y: one FLOP for 12 bytes moved
+add_flops = x.numel() / timed(lambda: torch.add(x, y, out=total), 5)
 matmul_intensity = [n / (6 if dtype == torch.float32 else 3) for n in sizes]
-roof = peak or max(tflops) * 1e12  # no known peak: the best matrix product stands in for it
-print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s, compute roof {roof / 1e12:.2f} TFLOP/s: "
-      f"the ridge at {roof / bandwidth:.0f} FLOP per byte")
-print(f"x + y: {add_flops / 1e9:.2f} GFLOP/s at 1/12 FLOP per byte; the best matrix product: "
-      f"{max(tflops) * 1e3:.0f} GFLOP/s")
-assert add_flops < max(tflops) * 1e12 / 10  # memory-bound: far under the matrix products
+roof = peak or max(tflops) * 1e12  # no known peak: the best matrix product stands in
+print(f"memory bandwidth {bandwidth / 1e9:.1f} GB/s, compute roof {roof / 1e12:.2f} "
+      f"TFLOP/s: the ridge at {roof / bandwidth:.0f} FLOP per byte")
+print(f"x + y: {add_flops / 1e9:.2f} GFLOP/s at 1/12 FLOP per byte; the best matrix "
+      f"product: {max(tflops) * 1e3:.0f} GFLOP/s")
+assert add_flops < max(tflops) * 1e12 / 10  # memory-bound, far below
 
-intensities = sorted([2.0**k for k in range(-5, 13)] + [roof / bandwidth])  # with the ridge
+intensities = sorted([2.0**k for k in range(-5, 13)] + [roof / bandwidth])  # and the ridge
 fig, ax = plt.subplots(figsize=(6, 3.5))
 ax.plot(intensities, [min(roof, i * bandwidth) / 1e12 for i in intensities], "k-",
         label="roofline: min(peak, I x bandwidth)")
@@ -218,7 +220,7 @@ if topology:
     flags = ["topo", "-m"] if topology.endswith("nvidia-smi") else ["--showtopo"]
     print(subprocess.run([topology, *flags], capture_output=True, text=True).stdout)
 else:
-    print("No GPU tools here: on a GPU node, `nvidia-smi topo -m` prints the links between GPUs.")
+    print("No GPU tools here: on a GPU node, `nvidia-smi topo -m` prints how GPUs link.")
 
 # %% [markdown]
 # ## Speedup and parallel efficiency

@@ -156,8 +156,8 @@ for name, model in (("tiny", TINY), ("GPT-2 124M", GPT2), ("GPT-2 1.5B", widgets
 
 # %% tags=["demo"]
 for ranks in (1, 2, 4):
-    held = {strategy: memory.per_rank_bytes(GPT2, strategy, ranks, "bf16-mixed", 8, 1024)
-            ["activations"] for strategy in ("fsdp", "tp")}
+    held = {strategy: memory.per_rank_bytes(GPT2, strategy, ranks, "bf16-mixed", 8,
+                                            1024)["activations"] for strategy in ("fsdp", "tp")}
     held["pp, first stage"] = memory.pipeline_stage_bytes(GPT2, ranks, "bf16-mixed", 8,
                                                           1024)[0]["activations"]
     print(f"{ranks} ranks, activations per rank: "

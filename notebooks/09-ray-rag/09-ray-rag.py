@@ -323,8 +323,8 @@ baseline = scores["random", best[1]]["mrr"]
 print(f"best: {best[0]} on chunks of {best[1]} tokens, MRR {scores[best]['mrr']:.3f} and recall@5 "
       f"{scores[best]['recall'][5]:.2f}; random chunks of that size: MRR {baseline:.4f}, a margin "
       f"of {scores[best]['mrr'] - baseline:.3f}")
-# the small embedder is behind BM25 at every chunk size, on questions that name their terms
-assert all(scores["BM25", s]["mrr"] > scores["dense", s]["mrr"] for s in SIZES)
+# on questions that name their terms, the small embedder is behind BM25 at its best
+assert best[0] == "BM25", best
 
 # %% [markdown]
 # ## Choosing a chunk size

@@ -248,7 +248,7 @@ assert len(commands) == 2
 nodes = run_nodes(commands)
 assert [node.status for node in nodes] == ["finished", "finished"], nodes[0].tail(6)
 assert trained_every_step("rendezvous-fixed")
-import socket  # noqa: E402  a port written into the code fails: another job may hold it now
+import socket  # noqa: E402  a port written into the code: another job may hold it
 
 
 def master_ports(commands):
@@ -343,21 +343,22 @@ def waiting_at(frames):
 
 
 # %% nbgrader={"grade": true, "grade_id": "waiting_at_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-# a stand-in for a rank: a script that dumps its own stack, as the watchdog does, where it waits
+# a stand-in for a rank: a script that dumps its own stack where it waits
 STAND_IN = RUNS / "stand_in.py"
 STAND_IN.write_text("import faulthandler\nimport sys\n\n\ndef all_reduce():\n"
                     "    faulthandler.dump_traceback(sys.stdout)  # waits here\n\n\n"
                     "def step():\n    all_reduce()\n\n\nstep()\n")
-dump = subprocess.run([sys.executable, str(STAND_IN)], capture_output=True, text=True).stdout
+dump = subprocess.run([sys.executable, STAND_IN], capture_output=True, text=True).stdout
 stand_in_frames = [line.strip() for line in dump.splitlines() if STAND_IN.name in line]
-assert waiting_at(stand_in_frames) == "faulthandler.dump_traceback(sys.stdout)  # waits here"
+waits_here = "faulthandler.dump_traceback(sys.stdout)  # waits here"
+assert waiting_at(stand_in_frames) == waits_here
 ### BEGIN HIDDEN TESTS
 assert waiting_at(stand_in_frames[1:]) == "all_reduce()"
 gpt = KIT_ROOT / "solutions" / "gpt.py"
 lines = gpt.read_text().splitlines()
 number = next(i for i, line in enumerate(lines, 1) if line.startswith("    def "))
-assert waiting_at([f'File "{gpt}", line {number} in f', f'File "{gpt}", line 1 in <module>']) \
-    == lines[number - 1].strip()
+frames = [f'File "{gpt}", line {number} in f', f'File "{gpt}", line 1 in <module>']
+assert waiting_at(frames) == lines[number - 1].strip()
 ### END HIDDEN TESTS
 
 # %% tags=["demo"]
@@ -523,8 +524,8 @@ for micro_batch in (32, 8, 2):
 
 # %% tags=["demo"]
 def largest_micro_batch(budget_bytes, micro_batches=(32, 16, 8, 4, 2, 1)):
-    """The largest of ``micro_batches`` whose predicted peak on one of 2 ddp ranks is at most
-    ``budget_bytes``, or None."""
+    """The largest of ``micro_batches`` whose predicted peak on one of 2 ddp ranks is
+    at most ``budget_bytes``, or None."""
     fitting = [m for m in micro_batches
                if memory.per_rank_bytes(TINY, "ddp", 2, "fp32", m, 128)["total"] <= budget_bytes]
     return max(fitting, default=None)
@@ -660,8 +661,9 @@ assert slow.status == "finished"  # only slower
 
 
 def rank_1_minus_rank_0(key):
-    """Step by step, after the first two (one-off work): rank 1's value less rank 0's."""
-    return [one[key] - zero[key] for zero, one in zip(steps_by_rank[0], steps_by_rank[1])][2:]
+    """Step by step, after the first two (one-off work): rank 1's less rank 0's."""
+    pairs = zip(steps_by_rank[0], steps_by_rank[1])
+    return [one[key] - zero[key] for zero, one in pairs][2:]
 
 
 assert abs(statistics.median(rank_1_minus_rank_0("step_s"))) < 0.1
