@@ -10,6 +10,7 @@
     exchange create PATH --group G             nbgrader's exchange for a class, on project space
     autograde LESSON [--root DIR]              grade the submissions; a line for each that fails
     grades LESSON [--root DIR --plot PNG]      who handed in, scores per exercise, class means
+                  [--items]                    and each graded cell: mean, zeros, discrimination, error
     book [--edition reader|instructor]         execute the lessons and build an edition of the book
     diffs build | check                        write / verify diffs/*.patch from solutions/
     diffs start | status --lesson L [--stage S --file F]   a lesson's working copy, hunk by hunk
@@ -195,6 +196,10 @@ def build_parser():
                                  help="course root (default: this folder, as for nbgrader)")
         grading_cmd.add_argument("--plot", help="also draw the class's mean per exercise, as a "
                                                 "PNG, into this file")
+        grading_cmd.add_argument("--items", action="store_true",
+                                 help="also each graded cell, hardest first: its mean, the share "
+                                      "of trainees at zero, its discrimination and the commonest "
+                                      "error of the failing submissions")
 
     book_cmd = commands.add_parser("book", help="execute the lessons and build the book")
     book_cmd.add_argument("--edition", choices=["reader", "instructor"], default="reader",
@@ -466,6 +471,9 @@ def graded_lesson(args):
 def run_autograde(args):
     from coursekit import grading
     root, lesson = graded_lesson(args)
+    for trainee, cells in sorted(grading.restore_deleted_tests(root, lesson).items()):
+        print(f"{trainee}'s {lesson} lacked test cells, put back from the release before "
+              f"grading: {', '.join(cells)}")
     failed = grading.autograde_class(root, lesson)
     for trainee, error in sorted(failed.items()):
         print(f"error: {trainee}'s {lesson} was not graded: {error}", file=sys.stderr)
@@ -481,6 +489,14 @@ def run_grades(args):
     if args.plot:
         grading.plot_means(lesson, exercises, rows, args.plot)
         print(f"the class's mean per exercise: {args.plot}")
+    if args.items:
+        graded = sum(bool(scores) for _, _, scores in rows)
+        if not graded:
+            raise KitError(f"{lesson} has no graded submission in {root}: run `python -m "
+                           f"coursekit autograde {lesson}` once trainees have handed it in")
+        errors = grading.failing_errors(root, lesson, exercises, rows)
+        print(grading.items_table(lesson, grading.item_statistics(exercises, rows, errors),
+                                  graded))
 
 
 def run_book(args):

@@ -10,13 +10,17 @@ book still run them. `GradedCellsRun` keeps a submission from tagging a graded c
 What autograde runs is trainees' code: it runs in the grading kernel, a sandbox that sees no
 gradebook, no other submission and none of the grader's files (coursekit/sandbox.py).
 `OwnerCheckedCollect` refuses a submission handed in under another trainee's name.
+`restore_deleted_tests` puts back the test cells a trainee deleted, which nbgrader would score 0.
 """
 import os
 import pwd
 import re
 import shutil
+import statistics
 import subprocess
 import sys
+from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 from nbgrader.exchange.default import ExchangeCollect, ExchangeReleaseFeedback
@@ -163,6 +167,74 @@ def autograde_class(root, lesson):
     return failed
 
 
+def is_test_cell(cell):
+    """A graded cell that is not an answer: the tests nbgrader runs on the cells above it."""
+    meta = cell.metadata.get("nbgrader", {})
+    return bool(meta.get("grade")) and not meta.get("solution")
+
+
+def grade_id(cell):
+    return cell.metadata.get("nbgrader", {}).get("grade_id")
+
+
+def cell_key(cell):
+    """What finds a release's cell in a submission: its grade id, else its cell id (kept by
+    Jupyter), else a key that no other cell has."""
+    return grade_id(cell) or (f"id:{cell['id']}" if cell.get("id") else object())
+
+
+def put_back_tests(release, submission):
+    """Insert into ``submission`` (an nbformat notebook) each test cell of ``release`` it lacks,
+    after the nearest cell before it in the release that the submission still holds (found by
+    cell_key). The grade ids put back, in order. A test cell whose grade id was changed is still
+    there (its cell id is): nbgrader refuses that submission, and autograde names it."""
+    put_back = []
+    for index, cell in enumerate(release.cells):
+        held = {cell_key(kept): position for position, kept in enumerate(submission.cells)}
+        renamed = cell.get("id") in {kept.get("id") for kept in submission.cells}
+        if not is_test_cell(cell) or grade_id(cell) in held or renamed:
+            continue
+        before = next((held[cell_key(earlier)] for earlier in reversed(release.cells[:index])
+                       if cell_key(earlier) in held), -1)
+        submission.cells.insert(before + 1, cell.copy())
+        put_back.append(grade_id(cell))
+    return put_back
+
+
+def restore_deleted_tests(root, lesson):
+    """nbgrader restores a test cell a trainee edited, but scores one they deleted 0, however
+    right the answer above it. So, in each submission of ``lesson`` not autograded yet, put the
+    missing test cells back from the release (autograde then runs the tests nbgrader keeps,
+    hidden ones included). {trainee: [grade ids put back]}. A submission that is not a notebook
+    is left to autograde, which names it."""
+    import nbformat
+
+    release = nbformat.read(Path(root) / "release" / lesson / f"{lesson}.ipynb", as_version=4)
+    restored = {}
+    for path in sorted(Path(root).glob(f"submitted/*/{lesson}/{lesson}.ipynb")):
+        trainee = path.parent.parent.name
+        if (Path(root) / "autograded" / trainee / lesson).is_dir():
+            continue
+        try:
+            submission = nbformat.read(path, as_version=4)
+        except (ValueError, OSError):  # not JSON, or not a notebook: autograde names it
+            continue
+        if put_back := put_back_tests(release, submission):
+            write_notebook(submission, path)
+            restored[trainee] = put_back
+    return restored
+
+
+def write_notebook(notebook, path):
+    """``notebook`` into ``path`` whole or not at all, with the mode the file had."""
+    import nbformat
+
+    tmp = path.with_name(f".{path.name}.tmp")
+    nbformat.write(notebook, tmp)
+    shutil.copymode(path, tmp)
+    tmp.replace(path)
+
+
 def generate(root):
     """Student versions of every lesson into root/release/<lesson>/, in one nbgrader run, without
     the working copies that running the lessons in the course root leaves there, and unpaired."""
@@ -182,10 +254,7 @@ def unpair(notebook):
 
     released = nbformat.read(notebook, as_version=4)
     if released.metadata.pop("jupytext", None) is not None:
-        tmp = notebook.with_name(f".{notebook.name}.tmp")
-        nbformat.write(released, tmp)
-        shutil.copymode(notebook, tmp)  # nbgrader's 0644: trainees read the release
-        tmp.replace(notebook)
+        write_notebook(released, notebook)  # nbgrader's 0644 kept: trainees read the release
 
 
 def hand_in(folder, lesson, notebook, converted):
@@ -323,3 +392,81 @@ def plot_means(lesson, exercises, rows, path):
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
+
+
+@dataclass(frozen=True)
+class Item:
+    """What the class made of one graded cell (item analysis)."""
+    grade_id: str
+    points: float
+    mean: float  # the class's mean share of its points
+    at_zero: float  # the share of the graded trainees who scored 0 on it
+    discrimination: float | None  # correlation with the rest of the total; None: either is flat
+    error: tuple | None  # (the commonest error line of the failing submissions, how many)
+
+
+def item_statistics(exercises, rows, errors):
+    """An Item for each graded cell with points, over the graded submissions of ``rows``
+    (class_summary), lowest mean first (in the notebook's order among equals). ``errors``: {grade
+    id: the error line of each failing submission} (failing_errors). The discrimination is the
+    correlation of the cell's score with the trainee's total without it: near 1, the cell
+    separates those who learnt the lesson from those who did not; near 0 or below, it measures
+    something else (a trick question, an unclear instruction)."""
+    graded = [scores for _, _, scores in rows if scores]
+    items = []
+    for name, points in exercises:
+        if not graded or not points:
+            continue
+        cell = [scores.get(name, 0) for scores in graded]
+        rest = [sum(scores.values()) - score for scores, score in zip(graded, cell)]
+        try:
+            discrimination = statistics.correlation(cell, rest)
+        except statistics.StatisticsError:  # fewer than 2 submissions, or one side all equal
+            discrimination = None
+        commonest = Counter(errors.get(name, [])).most_common(1)
+        items.append(Item(name, points, sum(cell) / (points * len(graded)),
+                          sum(score == 0 for score in cell) / len(graded), discrimination,
+                          commonest[0] if commonest else None))
+    return sorted(items, key=lambda item: item.mean)
+
+
+def error_line(cell):
+    """The first line of the error a cell's outputs end with ("NameError: name 'x' is not
+    defined"), or None."""
+    for output in cell.get("outputs", []):
+        if output.get("output_type") == "error":
+            text = f"{output.ename}: {output.evalue}" if output.evalue else output.ename
+            return text.splitlines()[0][:160]
+    return None
+
+
+def failing_errors(root, lesson, exercises, rows):
+    """{grade id: the error line of each graded submission that lost points on that cell}, read
+    from the autograded notebooks."""
+    import nbformat
+
+    points, found = dict(exercises), defaultdict(list)
+    for trainee, _, scores in rows:
+        if not scores:
+            continue
+        graded = nbformat.read(Path(root) / "autograded" / trainee / lesson / f"{lesson}.ipynb",
+                               as_version=4)
+        for cell in graded.cells:
+            name, line = grade_id(cell), error_line(cell)
+            if name in points and scores.get(name, 0) < points[name] and line:
+                found[name].append(line)
+    return found
+
+
+def items_table(lesson, items, graded):
+    """The item analysis as text, lowest mean first."""
+    width = max([len("cell"), *(len(item.grade_id) for item in items)])
+    lines = [f"{lesson}: each graded cell over {graded} graded submissions, lowest mean first",
+             f"{'cell':<{width}}  points   mean  at zero  discrimination  commonest error "
+             "(submissions)"]
+    for item in items:
+        discrimination = "-" if item.discrimination is None else f"{item.discrimination:+.2f}"
+        error = "-" if item.error is None else f"{item.error[0]} ({item.error[1]})"
+        lines.append(f"{item.grade_id:<{width}}  {item.points:>6g}  {item.mean:>5.0%}  "
+                     f"{item.at_zero:>7.0%}  {discrimination:>14}  {error}")
+    return "\n".join(lines)

@@ -5,9 +5,10 @@ run as the user who runs it on a cluster.
 The instructor and the trainees alice, bob and dave are members of the course's group; carol is
 on the roster and hands nothing in. The exchange lies on "project space" as `coursekit exchange
 create` makes it, and course.toml names it for both sides. Alice hands in every exercise solved,
-on time; bob one exercise unsolved, after the due date; dave renames a graded cell, which nbgrader
-refuses. The instructor collects, autogrades in the grading sandbox, releases feedback, exports
-the grades and reads the class summary; trainees fetch their feedback. Then the instructor opens
+on time; bob one exercise unsolved, after the due date, and a test cell of a solved one deleted,
+which autograde puts back; dave renames a graded cell, which nbgrader refuses. The instructor
+collects, autogrades in the grading sandbox, releases feedback, exports the grades and reads the
+class summary and what each graded cell showed; trainees fetch their feedback. Then the instructor opens
 the formgrader from JupyterLab in a real browser (headless Chromium) and comments on a
 submission, and the comment reaches its feedback."""
 import contextlib
@@ -35,9 +36,9 @@ from chromium import screenshot, start_lab, wait_for
 from conftest import debian_tool, lesson_notebook
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
-from test_grading import exercises, with_cells_from
+from test_grading import exercises, pearson, with_cells_from
 
-from coursekit import KIT_ROOT, trainee
+from coursekit import KIT_ROOT, grading, trainee
 
 pytestmark = pytest.mark.grading
 #: A lesson whose graded cells are plain Python: each submission graded starts no model
@@ -51,6 +52,15 @@ SOLVED, ONE_UNSOLVED, CELL_RENAMED = "kit-alice", "kit-bob", "kit-dave"
 ABSENT = "kit-carol"  # on the roster, hands nothing in
 TRAINEES = (SOLVED, ONE_UNSOLVED, CELL_RENAMED, ABSENT)
 UNSOLVED = "efficiency"  # bob's exercise left as released
+
+
+def deleted_test():
+    """The test cell bob deletes: the first of an exercise he solved."""
+    source = nbformat.read(lesson_notebook(LESSON), as_version=4)
+    solved = {test for exercise, tests in exercises(source).items() if exercise != UNSOLVED
+              for test in tests}
+    return next(grading.grade_id(cell) for cell in source.cells
+                if grading.is_test_cell(cell) and grading.grade_id(cell) in solved)
 
 
 def closed_ancestor(path):
@@ -164,8 +174,10 @@ def answers(release_path, base):
     test_cell = next(cell for cell in renamed.cells
                      if cell.metadata.get("nbgrader", {}).get("grade"))
     test_cell.metadata.nbgrader.grade_id += "_renamed"
-    work = {SOLVED: with_cells_from(release, source, solutions),
-            ONE_UNSOLVED: with_cells_from(release, source, set(solutions) - {UNSOLVED}),
+    one_unsolved = with_cells_from(release, source, set(solutions) - {UNSOLVED})
+    one_unsolved.cells = [cell for cell in one_unsolved.cells
+                          if grading.grade_id(cell) != deleted_test()]
+    work = {SOLVED: with_cells_from(release, source, solutions), ONE_UNSOLVED: one_unsolved,
             CELL_RENAMED: renamed}
     folder = base / "answers"
     folder.mkdir(mode=0o755)
@@ -273,7 +285,7 @@ def class_run():
             nbgrader(user, "fetch_feedback", LESSON, cwd=kits[user])
         nbgrader(INSTRUCTOR, "export", "--to", "grades.csv", cwd=course)
         summary = as_user(INSTRUCTOR, "python", "-m", "coursekit", "grades", LESSON, "--plot",
-                          "grades-00.png", cwd=course)
+                          "grades-00.png", "--items", cwd=course)
         with tempfile.NamedTemporaryFile("w", suffix=".json") as hidden:  # outside base
             json.dump(sorted(hidden_test_lines()), hidden)
             hidden.flush()
@@ -313,7 +325,8 @@ def test_the_summary_says_who_was_late_missing_or_not_graded_and_what_to_teach_a
     assert "on time" in lines[SOLVED] and "late by" in lines[ONE_UNSOLVED]
     assert "missing" in lines[ABSENT] and "not graded" in lines[CELL_RENAMED]
     _, unsolved = points()
-    teach_again = class_run["summary"].splitlines()[-2]
+    [teach_again] = [line for line in class_run["summary"].splitlines()
+                     if line.startswith("teach again first: ")]
     assert teach_again == "teach again first: " + ", ".join(f"{cell} (50%)" for cell in unsolved)
     plot = class_run["course"] / "grades-00.png"
     assert plot.read_bytes().startswith(b"\x89PNG") and plot.stat().st_size > 5000
@@ -340,6 +353,54 @@ def test_a_renamed_graded_cell_is_named_in_one_line_and_the_others_are_graded(cl
         f"error: {CELL_RENAMED}'s {LESSON} was not graded: "), autograded.stderr
     graded = class_run["course"] / "autograded"
     assert {path.parent.name for path in graded.glob(f"*/{LESSON}")} == {SOLVED, ONE_UNSOLVED}
+
+
+def test_a_deleted_test_cell_is_put_back_before_grading_and_named(class_run):
+    """bob's answer to the exercise whose test cell he deleted is graded (his total lost only the
+    unsolved exercise: test_grades_are_full_...), by the test cell autograde put back."""
+    report = class_run["autograded"].stdout
+    assert (f"{ONE_UNSOLVED}'s {LESSON} lacked test cells, put back from the release before "
+            f"grading: {deleted_test()}\n") in report, report
+    graded = nbformat.read(class_run["course"] / "autograded" / ONE_UNSOLVED / LESSON /
+                           f"{LESSON}.ipynb", as_version=4)
+    assert deleted_test() in [grading.grade_id(cell) for cell in graded.cells]
+
+
+def expected_error(trainee, cell_id, course):
+    """The error a graded cell of ``trainee``'s autograded notebook ended with, as one line."""
+    graded = nbformat.read(course / "autograded" / trainee / LESSON / f"{LESSON}.ipynb",
+                           as_version=4)
+    [cell] = [cell for cell in graded.cells
+              if cell.metadata.get("nbgrader", {}).get("grade_id") == cell_id]
+    [error] = [output for output in cell.outputs if output.output_type == "error"]
+    return (f"{error.ename}: {error.evalue}" if error.evalue else error.ename).splitlines()[0]
+
+
+def test_the_item_analysis_gives_each_cells_mean_zeros_discrimination_and_error(class_run):
+    """Over alice's and bob's graded work: bob's unsolved cells at 50% with half the class at
+    zero, the error his notebook shows; every other cell at 100%."""
+    cells, unsolved = points()
+    lines = class_run["summary"].splitlines()
+    start = lines.index(f"{LESSON}: each graded cell over 2 graded submissions, lowest mean first")
+    rows = {line.split()[0]: line for line in lines[start + 2:]}
+    assert set(rows) == {cell for cell, points in cells.items() if points}
+    totals = {SOLVED: sum(cells.values()), ONE_UNSOLVED: sum(cells.values()) -
+              sum(cells[cell] for cell in unsolved)}
+    for cell, maximum in cells.items():
+        if not maximum:
+            continue
+        scores = {SOLVED: maximum, ONE_UNSOLVED: 0 if cell in unsolved else maximum}
+        rest = [totals[trainee] - scores[trainee] for trainee in (SOLVED, ONE_UNSOLVED)]
+        flat = len(set(scores.values())) == 1 or len(set(rest)) == 1
+        discrimination = "-" if flat else f"{pearson(list(scores.values()), rest):+.2f}"
+        error = (f"{expected_error(ONE_UNSOLVED, cell, class_run['course'])} (1)"
+                 if cell in unsolved else "-")
+        mean = "50%" if cell in unsolved else "100%"
+        zeros = "50%" if cell in unsolved else "0%"
+        assert rows[cell].split()[1:5] == [f"{maximum:g}", mean, zeros, discrimination], rows[cell]
+        assert rows[cell].endswith(f"  {error}"), rows[cell]
+    # the cells the class found hard come first
+    assert [line.split()[0] for line in lines[start + 2:start + 2 + len(unsolved)]] == unsolved
 
 
 def test_each_trainee_gets_their_own_feedback_and_cannot_reach_anothers_work(class_run):
