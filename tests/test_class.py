@@ -269,6 +269,8 @@ def class_run():
         as_user(INSTRUCTOR, "python", "-m", "coursekit", "assignments", "--root", ".", cwd=course)
         nbgrader(INSTRUCTOR, "db", "student", "import", "students.csv", cwd=course)
         nbgrader(INSTRUCTOR, "release_assignment", LESSON, cwd=course)
+        nothing_graded = as_user(INSTRUCTOR, "python", "-m", "coursekit", "grades", LESSON,
+                                 "--items", cwd=course, check=False)
         work = answers(course / "release" / LESSON / f"{LESSON}.ipynb", base)
         kits = {SOLVED: hand_in(SOLVED, base, exchange, work)}
         # the due date passes: later submissions are late
@@ -294,7 +296,8 @@ def class_run():
                 user, "python", "-c", READABLE_WITH_HIDDEN_LINES, str(base), hidden.name,
                 cwd=kits[user]).stdout) for user in (SOLVED, ONE_UNSOLVED)}
         yield {"base": base, "course": course, "exchange": exchange, "kits": kits,
-               "forged": forged, "collected": collected, "work": work, "autograded": autograded, "summary": summary.stdout,
+               "forged": forged, "collected": collected, "work": work, "autograded": autograded,
+               "summary": summary.stdout, "nothing_graded": nothing_graded,
                "seen_by_trainee": seen_by_trainee,
                "grades": list(csv.DictReader((course / "grades.csv").open()))}
     finally:
@@ -364,6 +367,13 @@ def test_a_deleted_test_cell_is_put_back_before_grading_and_named(class_run):
     graded = nbformat.read(class_run["course"] / "autograded" / ONE_UNSOLVED / LESSON /
                            f"{LESSON}.ipynb", as_version=4)
     assert deleted_test() in [grading.grade_id(cell) for cell in graded.cells]
+
+
+def test_the_item_analysis_of_a_class_with_no_graded_work_is_refused_in_one_line(class_run):
+    refused = class_run["nothing_graded"]
+    assert refused.returncode != 0 and refused.stderr.splitlines() == [
+        f"error: {LESSON} has no graded submission in {class_run['course']}: run `python -m "
+        f"coursekit autograde {LESSON}` once trainees have handed it in"], refused.stderr
 
 
 def expected_error(trainee, cell_id, course):
