@@ -36,7 +36,8 @@ from chromium import screenshot, start_lab, wait_for
 from conftest import debian_tool, lesson_notebook
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
-from test_grading import exercises, pearson, with_cells_from
+from test_gradebook import pearson
+from test_grading import exercises, with_cells_from
 
 from coursekit import KIT_ROOT, grading, trainee
 

@@ -4,7 +4,6 @@ submission that solves every other exercise, the solved ones score full marks wh
 left unsolved or answered by calling the kit's own function for the same thing, lose exactly
 their points."""
 import contextlib
-import copy
 import json
 import shutil
 import socket
@@ -416,51 +415,3 @@ def test_the_trainee_kit_holds_student_versions_and_no_answer(tmp_path_factory):
         assert "raise NotImplementedError()" in trainee.lines_of(folder / f"{lesson}.ipynb")
         text = (folder / f"{lesson}.ipynb").read_text()
         assert "BEGIN SOLUTION" not in text and "BEGIN HIDDEN TESTS" not in text
-
-
-@pytest.mark.unit
-@pytest.mark.parametrize("lesson", LESSONS)
-def test_deleted_test_cells_are_put_back_where_the_release_has_them(lesson):
-    """A submission without some of the lesson's test cells (the first, one in the middle and
-    the last) gets them back, each in its place: the cells then run in the release's order."""
-    release = nbformat.read(lesson_notebook(lesson), as_version=4)
-    tests = [grading.grade_id(cell) for cell in release.cells if grading.is_test_cell(cell)]
-    deleted = {tests[0], tests[len(tests) // 2], tests[-1]}
-    submission = copy.deepcopy(release)
-    submission.cells = [cell for cell in submission.cells if grading.grade_id(cell) not in deleted]
-    put_back = grading.put_back_tests(release, submission)
-    assert sorted(put_back) == sorted(deleted)
-    assert [cell.source for cell in submission.cells] == [cell.source for cell in release.cells]
-    assert grading.put_back_tests(release, submission) == []  # nothing more to put back
-
-
-def pearson(xs, ys):
-    """The correlation coefficient, from its definition."""
-    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    covariance = sum((x - mx) * (y - my) for x, y in zip(xs, ys))
-    return covariance / (sum((x - mx) ** 2 for x in xs) * sum((y - my) ** 2 for y in ys)) ** 0.5
-
-
-@pytest.mark.unit
-def test_item_statistics_give_each_cells_mean_zeros_discrimination_and_commonest_error():
-    exercises = [("easy", 2), ("hard", 4), ("flat", 1), ("unworked", 0)]
-    scores = {"ann": {"easy": 2, "hard": 4, "flat": 1}, "ben": {"easy": 2, "hard": 1, "flat": 1},
-              "cy": {"easy": 0, "hard": 0, "flat": 1}, "di": {"easy": 2, "hard": 0, "flat": 1}}
-    rows = [(name, "on time", cells) for name, cells in scores.items()]
-    rows.append(("eve", "missing", {}))  # not graded: in no figure
-    errors = {"hard": ["AssertionError: 3", "NameError: x", "AssertionError: 3"],
-              "easy": ["ZeroDivisionError: division by zero"]}
-    items = grading.item_statistics(exercises, rows, errors)
-    assert [item.grade_id for item in items] == ["hard", "easy", "flat"]  # lowest mean first
-    hard, easy, flat = items
-    assert (hard.mean, hard.at_zero, hard.error) == ((4 + 1) / 16, 0.5, ("AssertionError: 3", 2))
-    assert (easy.mean, easy.at_zero, easy.error) == (6 / 8, 0.25,
-                                                     ("ZeroDivisionError: division by zero", 1))
-    # each against the rest of the total: ann 3, ben 3, cy 1, di 3 without "hard"
-    assert hard.discrimination == pytest.approx(pearson([4, 1, 0, 0], [3, 3, 1, 3]))
-    assert easy.discrimination == pytest.approx(pearson([2, 2, 0, 2], [5, 2, 1, 1]))
-    assert (flat.mean, flat.at_zero, flat.discrimination, flat.error) == (1, 0, None, None)
-    table = grading.items_table("00-x", items, 4).splitlines()
-    assert table[0] == "00-x: each graded cell over 4 graded submissions, lowest mean first"
-    assert table[2].split()[:5] == ["hard", "4", "31%", "50%", f"{hard.discrimination:+.2f}"]
-    assert table[2].endswith("AssertionError: 3 (2)") and table[4].endswith("  -")
