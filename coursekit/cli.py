@@ -10,7 +10,7 @@
     exchange create PATH --group G             nbgrader's exchange for a class, on project space
     autograde LESSON [--root DIR]              grade the submissions; a line for each that fails
     grades LESSON [--root DIR --plot PNG]      who handed in, scores per exercise, class means
-                  [--items]                    and each graded cell: mean, zeros, discrimination, error
+                  [--items]                    each graded cell: mean, zeros, discrimination
     book [--edition reader|instructor]         execute the lessons and build an edition of the book
     diffs build | check                        write / verify diffs/*.patch from solutions/
     diffs start | status --lesson L [--stage S --file F]   a lesson's working copy, hunk by hunk
