@@ -19,6 +19,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,13 +227,15 @@ def restore_deleted_tests(root, lesson):
 
 
 def write_notebook(notebook, path):
-    """``notebook`` into ``path`` whole or not at all, with the mode the file had."""
+    """``notebook`` into ``path`` whole or not at all, with the mode the file had. The temporary
+    file is a new one (mkstemp: O_EXCL), never a file or link of that name a trainee handed in."""
     import nbformat
 
-    tmp = path.with_name(f".{path.name}.tmp")
-    nbformat.write(notebook, tmp)
+    descriptor, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    with os.fdopen(descriptor, "w", encoding="utf-8") as out:
+        nbformat.write(notebook, out)
     shutil.copymode(path, tmp)
-    tmp.replace(path)
+    os.replace(tmp, path)
 
 
 def generate(root):

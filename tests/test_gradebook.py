@@ -57,3 +57,21 @@ def test_item_statistics_give_each_cells_mean_zeros_discrimination_and_commonest
     assert table[0] == "00-x: each graded cell over 4 graded submissions, lowest mean first"
     assert table[2].split()[:5] == ["hard", "4", "31%", "50%", f"{hard.discrimination:+.2f}"]
     assert table[2].endswith("AssertionError: 3 (2)") and table[4].endswith("  -")
+
+
+def test_a_notebook_rewritten_in_a_trainees_folder_follows_no_link_they_left(tmp_path):
+    """A submission's folder holds what the trainee handed in, links included: the rewrite of
+    their notebook writes a new temporary file, not through a link named as one would be."""
+    victim = tmp_path / "gradebook.db"
+    victim.write_text("the grader's")
+    notebook = tmp_path / "00-x.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(), notebook)
+    notebook.chmod(0o600)
+    (tmp_path / ".00-x.ipynb.tmp").symlink_to(victim)
+    grading.write_notebook(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("1")]),
+                           notebook)
+    assert victim.read_text() == "the grader's"
+    assert nbformat.read(notebook, as_version=4).cells[0].source == "1"
+    assert notebook.stat().st_mode & 0o777 == 0o600
+    assert {path.name for path in tmp_path.iterdir()} == {"gradebook.db", "00-x.ipynb",
+                                                          ".00-x.ipynb.tmp"}
