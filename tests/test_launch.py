@@ -103,26 +103,32 @@ def launched_and_attacked(command, tmp_path):
     return rounds, job.returncode, output, marker.exists(), port
 
 
-def test_the_c10d_rendezvous_runs_a_pickle_written_to_its_store(tmp_path):
-    """The control: the launch the batch files used until issue 20 (ids from the job id). Should
-    another process bind the chosen port first (the other pytest worker's runs choose theirs
-    too), torchrun's c10d backend joins that process's store as a client instead of hosting its
-    own, and the attack, aimed at the launcher's own listener, misses: launched again on
-    another port, as the kit's launches are."""
-    for attempt in range(3):
-        port = launch.free_port()
-        c10d = [*launch.torchrun(2)[:3], "--nnodes=1", "--nproc-per-node=2",
-                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={JOB_ID}"]
-        rounds, _, output, ran, attacked = launched_and_attacked(c10d, tmp_path / str(attempt))
-        if attacked == port:  # the launcher's own store, at the port it was given
+def attack_succeeds(launch_command, tmp_path, tries=3):
+    """The controls: launch (``launch_command()``, a new port each time) and attack, until the
+    crafted pickle runs, at most ``tries`` times; the last (rounds, output, ran). One success
+    shows the attack works. A miss happened twice in full runs under load, in 2 to 3 rounds, the
+    store gone when the next round came; its cause is not known. One possible cause, for c10d:
+    when another process bound the chosen port first, torchrun's c10d backend joins that
+    process's store as a client, and the attack on the launcher's own listener misses."""
+    for attempt in range(tries):
+        rounds, _, output, ran, _ = launched_and_attacked(launch_command(), tmp_path / str(attempt))
+        if ran:
             break
-    assert attacked == port and rounds >= 1 and ran, output[-3000:]
+    return rounds, output, ran
+
+
+def test_the_c10d_rendezvous_runs_a_pickle_written_to_its_store(tmp_path):
+    """The control: the launch the batch files used until issue 20 (ids from the job id)."""
+    rounds, output, ran = attack_succeeds(lambda: [
+        *launch.torchrun(2)[:3], "--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{launch.free_port()}", f"--rdzv-id={JOB_ID}"], tmp_path)
+    assert rounds >= 1 and ran, output[-3000:]
 
 
 def test_torchruns_standalone_mode_runs_a_pickle_written_to_its_store(tmp_path):
     """The launch the README taught until issue 47: a random id and port, found all the same."""
-    standalone = [*launch.torchrun(2)[:3], "--standalone", "--nproc-per-node=2"]
-    rounds, _, output, ran, _ = launched_and_attacked(standalone, tmp_path)
+    rounds, output, ran = attack_succeeds(
+        lambda: [*launch.torchrun(2)[:3], "--standalone", "--nproc-per-node=2"], tmp_path)
     assert rounds >= 1 and ran, output[-3000:]
 
 
