@@ -63,7 +63,7 @@ def attack(job, marker, release):
     """Once the job's processes hold their group: connect to its store and write the crafted
     state under the c10d rendezvous keys of every run id listed or guessed; then create
     ``release``, and the processes leave. Until the job has ended, write it again every 0.5 s.
-    Returns how many rounds it wrote, and the store's port."""
+    Returns how many rounds it wrote."""
     deadline = time.monotonic() + 120
     port = store_port(job, deadline)
     while not Path(f"{release}.held").exists():
@@ -82,25 +82,25 @@ def attack(job, marker, release):
         release.touch()
         time.sleep(0.5)
     release.touch()
-    return rounds, port
+    return rounds
 
 
 def launched_and_attacked(command, tmp_path):
     """Launch `command` with the helper holding its group, and attack it: (rounds of writes,
-    exit status, output, whether the crafted pickle ran, the port of the store attacked)."""
+    exit status, output, whether the crafted pickle ran)."""
     tmp_path.mkdir(exist_ok=True)
     marker, release = tmp_path / "the-attackers-code-ran", tmp_path / "release"
     job = subprocess.Popen([*map(str, command), str(HOLD), str(release)],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                            env=kit_env(), cwd=tmp_path)
     try:
-        rounds, port = attack(job, marker, release)
+        rounds = attack(job, marker, release)
         output = job.communicate(timeout=60)[0]  # the store closes as the job ends: let it end
     finally:
         if job.poll() is None:
             job.kill()
             job.wait()
-    return rounds, job.returncode, output, marker.exists(), port
+    return rounds, job.returncode, output, marker.exists()
 
 
 def attack_succeeds(launch_command, tmp_path, tries=3):
@@ -111,7 +111,7 @@ def attack_succeeds(launch_command, tmp_path, tries=3):
     when another process bound the chosen port first, torchrun's c10d backend joins that
     process's store as a client, and the attack on the launcher's own listener misses."""
     for attempt in range(tries):
-        rounds, _, output, ran, _ = launched_and_attacked(launch_command(), tmp_path / str(attempt))
+        rounds, _, output, ran = launched_and_attacked(launch_command(), tmp_path / str(attempt))
         if ran:
             break
     return rounds, output, ran
@@ -135,7 +135,7 @@ def test_torchruns_standalone_mode_runs_a_pickle_written_to_its_store(tmp_path):
 def test_the_kits_launch_runs_nothing_written_to_its_store(tmp_path):
     """`python -m coursekit torchrun`, which the README and the stages' docstrings show."""
     kits = [sys.executable, "-m", "coursekit", "torchrun", "--nproc", "2"]
-    rounds, status, output, ran, _ = launched_and_attacked(kits, tmp_path)
+    rounds, status, output, ran = launched_and_attacked(kits, tmp_path)
     # the pickle sat in the store while the group held and as the launch ended: nothing read it
     assert rounds >= 1 and not ran and status == 0, output[-3000:]
     assert "$ " in output and "--master-port=" in output  # the command, shown
