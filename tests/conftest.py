@@ -456,12 +456,17 @@ def run_as_srun_tasks(script, ntasks, *args, timeout=600):
 # copies it first. They pass --device cpu: 2 processes share the CPU even where one GPU is
 # present, and the CPU is what they test. A validation of 2 batches (the preset's is 8) is what
 # a comparison between runs needs: the tests compare runs with each other, not with a target.
+# For the same reason a step is a quarter of the preset's (samples of 32 tokens, 256 tokens a
+# step: 2 micro-batches of 4 on one process, 1 each on 2, micro-batch 2 on 4): the logits over the
+# 50,304-token vocabulary are most of a tiny step's work, so a 20-step run takes 7 CPU-seconds
+# instead of 15, and the splits across processes the tests make stay whole.
 ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}  # as torchrun sets it
+QUARTER_STEP = ["--seq-len", "32", "--batch-tokens", "256"]
 TWENTY_STEPS = ["--preset", "tiny", "--max-steps", "20", "--eval-interval", "10",
                 "--eval-steps", "2", "--ckpt-interval", "10", "--sample-tokens", "0",
-                "--device", "cpu"]
+                "--device", "cpu", *QUARTER_STEP]
 TEN_STEPS = ["--preset", "tiny", "--max-steps", "10", "--eval-interval", "5", "--eval-steps", "2",
-             "--ckpt-interval", "5", "--sample-tokens", "0", "--device", "cpu"]
+             "--ckpt-interval", "5", "--sample-tokens", "0", "--device", "cpu", *QUARTER_STEP]
 
 
 def torchrun_command(nproc, script, *args, restarts=0):

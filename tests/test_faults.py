@@ -194,8 +194,8 @@ def test_memory_that_runs_out_is_one_line_with_the_fixes(builtin_data, tmp_path)
         resource.setrlimit(resource.RLIMIT_AS, (3 * 10**9, 3 * 10**9))
 
     result = run_stage("train_gpt2_std.py", *TEN_STEPS, "--max-steps", 1, "--micro-batch", 32,
-                       "--batch-tokens", 32 * 128, "--data", builtin_data, "--out", tmp_path,
-                       env=kit_env(ONE_THREAD), preexec_fn=limit_memory)
+                       "--seq-len", 128, "--batch-tokens", 32 * 128, "--data", builtin_data,
+                       "--out", tmp_path, env=kit_env(ONE_THREAD), preexec_fn=limit_memory)
     assert result.returncode == 1 and result.stderr.count("\n") == 1, result.stderr[-3000:]
     # where the training code ran out: the loss in the model's forward (solutions/gpt.py) or the
     # script's backward, as the process's address space happens to be laid out

@@ -88,7 +88,7 @@ def test_a_two_rank_checkpoint_resumes_at_another_world_size(fsdp_two, builtin_d
     warning and takes the one before (step 5), as on 4 from a run that stopped after step 5."""
     out, _ = fsdp_two
     copy = (shard_lost_at_step_10 if nproc == 1 else checkpoint_at_step_5)(out, tmp_path / "run")
-    # 4 processes x micro-batch 2 x 128 tokens = the same 1,024-token minibatch
+    # 4 processes x micro-batch 2 x 32 tokens = the same 256-token minibatch (conftest.TEN_STEPS)
     split = ["--micro-batch", "2"] if nproc == 4 else []
     result = torchrun(nproc, FSDP_SCRIPT, *STEPS, *split, "--resume", "--data", builtin_data,
                       "--out", copy)

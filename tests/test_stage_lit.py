@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from conftest import ONE_THREAD, TWENTY_STEPS, kit_env, run_stage, torchrun
+from conftest import ONE_THREAD, QUARTER_STEP, TWENTY_STEPS, kit_env, run_stage, torchrun
 from coursekit import KIT_ROOT, runs, stages
 
 pytestmark = pytest.mark.stages
@@ -53,8 +53,8 @@ def test_two_devices_follow_std_at_the_same_global_batch(two_device_run, std_met
 
 
 def test_one_device_has_the_std_first_loss(builtin_data, tmp_path, std_metrics):
-    run_lit(*STEPS[:2], "--max-steps", "1", "--sample-tokens", "0", "--device", "cpu",
-            "--data", builtin_data, "--out", tmp_path)
+    run_lit(*STEPS[:2], *QUARTER_STEP, "--max-steps", "1", "--sample-tokens", "0", "--device",
+            "cpu", "--data", builtin_data, "--out", tmp_path)
     assert runs.read_metrics(tmp_path)[0]["loss"] == pytest.approx(std_metrics[0]["loss"], abs=1e-5)
 
 

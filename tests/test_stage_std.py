@@ -9,7 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import ONE_THREAD, TWENTY_STEPS, kit_env, run_stage, stage_command, std_stdout
+from conftest import (ONE_THREAD, QUARTER_STEP, TWENTY_STEPS, kit_env, run_stage, stage_command,
+                      std_stdout)
 from coursekit import runs, stages, training
 from helpers import interrupt
 
@@ -191,9 +192,9 @@ def assert_identical(got, expected):
 def test_compile_gives_the_same_first_loss(builtin_data, tmp_path, reference_metrics):
     """Compiled from nothing, as on CI's fresh machine (a HOME of its own: no kernels cached by
     an earlier run), Inductor's CPU kernels in plain C++ (test_gpu_paths.py says why)."""
-    result = run_stage(SCRIPT, "--preset", "tiny", "--max-steps", "1", "--sample-tokens", "0",
-                       "--device", "cpu", "--compile", "--data", builtin_data, "--out",
-                       tmp_path / "run", env=kit_env({"HOME": str(tmp_path),
+    result = run_stage(SCRIPT, "--preset", "tiny", *QUARTER_STEP, "--max-steps", "1",
+                       "--sample-tokens", "0", "--device", "cpu", "--compile", "--data",
+                       builtin_data, "--out", tmp_path / "run", env=kit_env({"HOME": str(tmp_path),
                                                       "TORCHINDUCTOR_VEC_ISA_OK": "0"}))
     assert result.returncode == 0, result.stderr
     assert "compile on" in result.stdout

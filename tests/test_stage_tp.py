@@ -36,8 +36,8 @@ def ddp_two(ddp_ten_steps):
 @pytest.fixture(scope="module")
 def tp_runs(tp_ten_steps, builtin_data, tmp_path_factory):
     """Run directory and stdout of the tp stage at 2 processes (dp=1 x tp=2: conftest's, shared
-    with export-hf) and 4 (dp=2 x tp=2); at 4, each TP group reads a 4 x 128-token microbatch: the
-    same 1,024-token minibatch as DDP's."""
+    with export-hf) and 4 (dp=2 x tp=2); at 4, each TP group reads a 4 x 32-token microbatch: the
+    same 256-token minibatch as DDP's (conftest.TEN_STEPS)."""
     out = tmp_path_factory.mktemp("tp4")
     result = torchrun(4, TP_SCRIPT, *STEPS, "--tp", 2, "--data", builtin_data, "--out", out)
     return {2: tp_ten_steps, 4: (out, result.stdout)}
