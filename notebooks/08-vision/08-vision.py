@@ -466,6 +466,14 @@ for name, metrics in (("1 process", one), (f"{NPROC} processes", two)):
           f"{median(metrics, 'ms'):.0f} ms of which {median(metrics, 'wait_ms'):.1f} ms waiting "
           f"for its batch; validation accuracy {accuracy} (chance: "
           f"{1 / len(META['classes']):.0%})")
+# What this shows is checked too (the kit's tests run the lesson under nbval): the 2 processes,
+# each reading its own shards with its loader worker and augmenting on the device, learned the
+# shapes well above chance, timed every step, and kept the last step's checkpoint.
+assert [r["step"] for r in two] == list(range(1, STEPS + 1))
+assert two[-1]["val_acc"] > 0.3, two[-1]
+assert all(r["images_per_s"] > 0 and 0 <= r["wait_ms"] <= r["ms"] for r in two)
+assert runs.read_json(RUNS / f"ddp-{NPROC}" / "config.json")["world_size"] == NPROC
+assert runs.load_checkpoint(RUNS / f"ddp-{NPROC}")[0] == STEPS
 
 # %% [markdown]
 # `wait_ms` is the number to watch on a cluster: a step that waits for its batch is a GPU that
