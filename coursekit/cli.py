@@ -30,6 +30,7 @@
     mlflow-server [--store URI] [--port P]     MLflow's UI on 127.0.0.1 behind your own password
     trainee-kit --out DIR                      the kit as trainees get it: no solution, no hidden test
     selftest [--nodes N --steps S]             every stage on one device and all, bandwidth, offline files
+    plan PLAN --site S --trainees N [--selftest F]   a course's GPU-hours, reservations, storage
 """
 import argparse
 import json
@@ -324,13 +325,44 @@ def build_parser():
                                "cause (default: none, reported only)")
     selftest.add_argument("--timeout", type=positive_int, default=1800,
                           help="seconds each run may take (default %(default)s)")
+    add_plan_parser(commands)
     return parser
+
+
+def add_plan_parser(commands):
+    from coursekit import plan
+    planner = commands.add_parser(
+        "plan", help="the GPU-hours, reservations and storage a course plan needs on a site",
+        description="From a course plan of the instructor guide and a class size: the batch jobs "
+                    "each trainee submits on each day at the site's shapes, their hours (from a "
+                    "self-test's measured tokens/s, or their time limits), GPU-hours and "
+                    "node-hours with a margin, the nodes a day's reservation needs, and the "
+                    "storage of the trainees' run directories.")
+    planner.add_argument("plan", metavar="PLAN", help=f"one of {', '.join(plan.PLANS)}")
+    planner.add_argument("--site", required=True,
+                         help="the site's profile, batchfiles/sites/SITE.yml")
+    planner.add_argument("--trainees", type=positive_int, required=True, help="the class size")
+    planner.add_argument("--selftest", metavar="SELFTEST_JSON",
+                         help="the site's self-test report, for measured run times (default: "
+                              "every job its time limit)")
+    planner.add_argument("--margin", type=non_negative_float, default=plan.DEFAULT_MARGIN,
+                         help="extra share of GPU-hours to ask for (default %(default)s)")
+    planner.add_argument("--json", action="store_true", help="the plan as JSON")
 
 
 
 def run_selftest(args):
     from coursekit import selftest
     selftest.run_all(args)
+
+
+def run_plan(args):
+    from coursekit import plan, slurm
+    plan.check_plan(args.plan)
+    profile = slurm.load_site(args.site)
+    report = plan.read_report(args.selftest) if args.selftest else None
+    made = plan.make_plan(args.plan, profile, args.trainees, report, args.margin, KIT_ROOT)
+    print(json.dumps(made, indent=1) if args.json else plan.as_text(made))
 
 
 def run_trainee_kit(args):
@@ -609,7 +641,7 @@ COMMANDS = {"envcheck": run_envcheck, "site-torch": run_site_torch, "tokenizer":
             "selftest": run_selftest, "images": run_images, "ray-node": run_ray_node,
             "ray-nodes": run_ray_nodes, "rag": run_rag, "exchange": run_exchange,
             "autograde": run_autograde, "grades": run_grades, "torchrun": run_torchrun,
-            "compile-cache": run_compile_cache, "lab": run_lab}
+            "compile-cache": run_compile_cache, "lab": run_lab, "plan": run_plan}
 
 
 def main(argv=None):

@@ -4,13 +4,14 @@ parallel stage alone (--stages tp), which needs 2 processes of one node; the sel
 trains across the 2 nodes of the Slurm test cluster (tests/test_slurm.py)."""
 import dataclasses
 import json
+import re
 import shutil
 import subprocess
 import sys
 
 import pytest
 
-from coursekit import KIT_ROOT, bandwidth, grading, selftest
+from coursekit import KIT_ROOT, bandwidth, cli, grading, presets, selftest, slurm
 
 pytestmark = pytest.mark.stages
 STEPS = 3
@@ -207,3 +208,23 @@ def test_the_selftest_passes_on_every_gpu_of_this_node(builtin_data, tmp_path):
     for run in report["runs"]:
         if run["peak_bytes"] is not None:
             assert run["peak_bytes"] <= run["predicted_bytes"], run
+
+
+def test_a_course_plan_takes_its_jobs_run_times_from_the_self_test(passed, capsys):
+    """`coursekit plan` on the test cluster with this self-test's report: a job of a stage it
+    measured (std, tp) trains the ci profile's steps at the measured tokens/s per process, times
+    its processes; one of a stage it did not run (fsdp) keeps its time limit."""
+    out, _, report = passed
+    assert cli.main(["plan", "5-days", "--site", "ci", "--trainees", "1", "--selftest",
+                     str(out / "selftest.json"), "--json"]) == 0
+    jobs = {job["file"]: job for day in json.loads(capsys.readouterr().out)["days"]
+            for job in day["jobs"]}
+    steps = int(re.search(r"--max-steps (\d+)", slurm.load_site("ci")["train_args"]).group(1))
+    tokens = steps * presets.get_preset("tiny").batch_tokens
+    rate = {run["stage"]: run["tok_per_s"] / run["processes"] for run in report["runs"]}
+    for name, stage, processes in (("batch-std-1n1g.sh", "std", 1), ("batch-tp-1n2g.sh", "tp", 2),
+                                   ("batch-tp-2n2g.sh", "tp", 4)):
+        assert jobs[name]["hours_from"] == "self-test"
+        assert jobs[name]["hours"] == pytest.approx(tokens / (rate[stage] * processes) / 3600)
+    assert (jobs["batch-fsdp-1n2g.sh"]["hours"], jobs["batch-fsdp-1n2g.sh"]["hours_from"]) == \
+        (pytest.approx(10 / 60), "time limit")
