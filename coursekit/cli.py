@@ -330,7 +330,8 @@ def build_parser():
 
 
 def add_plan_parser(commands):
-    from coursekit import plan
+    # Nothing imported here: `coursekit tokenizer fetch` runs this parser in the set-up's first
+    # environment, before PyYAML (which coursekit.plan needs, through coursekit.slurm) is there.
     planner = commands.add_parser(
         "plan", help="the GPU-hours, reservations and storage a course plan needs on a site",
         description="From a course plan of the instructor guide and a class size: the batch jobs "
@@ -338,15 +339,15 @@ def add_plan_parser(commands):
                     "self-test's measured tokens/s, or their time limits), GPU-hours and "
                     "node-hours with a margin, the nodes a day's reservation needs, and the "
                     "storage of the trainees' run directories.")
-    planner.add_argument("plan", metavar="PLAN", help=f"one of {', '.join(plan.PLANS)}")
+    planner.add_argument("plan", metavar="PLAN", help="1-hour, 1-day, 3-days or 5-days")
     planner.add_argument("--site", required=True,
                          help="the site's profile, batchfiles/sites/SITE.yml")
     planner.add_argument("--trainees", type=positive_int, required=True, help="the class size")
     planner.add_argument("--selftest", metavar="SELFTEST_JSON",
                          help="the site's self-test report, for measured run times (default: "
                               "every job its time limit)")
-    planner.add_argument("--margin", type=non_negative_float, default=plan.DEFAULT_MARGIN,
-                         help="extra share of GPU-hours to ask for (default %(default)s)")
+    planner.add_argument("--margin", type=non_negative_float,
+                         help="extra share of GPU-hours to ask for (default 0.25)")
     planner.add_argument("--json", action="store_true", help="the plan as JSON")
 
 
@@ -361,7 +362,8 @@ def run_plan(args):
     plan.check_plan(args.plan)
     profile = slurm.load_site(args.site)
     report = plan.read_report(args.selftest) if args.selftest else None
-    made = plan.make_plan(args.plan, profile, args.trainees, report, args.margin, KIT_ROOT)
+    margin = plan.DEFAULT_MARGIN if args.margin is None else args.margin
+    made = plan.make_plan(args.plan, profile, args.trainees, report, margin, KIT_ROOT)
     print(json.dumps(made, indent=1) if args.json else plan.as_text(made))
 
 

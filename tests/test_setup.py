@@ -2,6 +2,7 @@
 import re
 import shutil
 import subprocess
+import sys
 
 import pytest
 import yaml
@@ -78,3 +79,15 @@ def test_a_changed_npm_tarball_stops_the_book_build(kit_root, tmp_path):
     assert done.returncode != 0 and "FAILED" in done.stdout + done.stderr, done.stdout + done.stderr
     assert not (tmp_path / "book" / "static" / ".complete").exists()
     assert not list((tmp_path / "book" / "static" / "widgets").iterdir())
+
+
+def test_the_command_line_builds_in_the_set_ups_first_environment(kit_root):
+    """`make` fetches the tokenizer (`python -m coursekit tokenizer fetch`) in the environment of
+    the core packages, before requirements.txt is installed: building the command line imports
+    nothing but the standard library and the kit (a fresh set-up once failed on PyYAML here)."""
+    imported = subprocess.run(
+        [sys.executable, "-c", "import sys; before = set(sys.modules); "
+         "from coursekit import cli; cli.build_parser(); "
+         "print(*sorted({m.split('.')[0] for m in set(sys.modules) - before}))"],
+        capture_output=True, text=True, check=True, cwd=kit_root).stdout.split()
+    assert [name for name in imported if name not in sys.stdlib_module_names] == ["coursekit"]

@@ -192,10 +192,10 @@ def assert_identical(got, expected):
 def test_compile_gives_the_same_first_loss(builtin_data, tmp_path, reference_metrics):
     """Compiled from nothing, as on CI's fresh machine (a HOME of its own: no kernels cached by
     an earlier run), Inductor's CPU kernels in plain C++ (test_gpu_paths.py says why)."""
+    own_cold_cache = kit_env({"HOME": str(tmp_path), "TORCHINDUCTOR_VEC_ISA_OK": "0"})
     result = run_stage(SCRIPT, "--preset", "tiny", *QUARTER_STEP, "--max-steps", "1",
                        "--sample-tokens", "0", "--device", "cpu", "--compile", "--data",
-                       builtin_data, "--out", tmp_path / "run", env=kit_env({"HOME": str(tmp_path),
-                                                      "TORCHINDUCTOR_VEC_ISA_OK": "0"}))
+                       builtin_data, "--out", tmp_path / "run", env=own_cold_cache)
     assert result.returncode == 0, result.stderr
     assert "compile on" in result.stdout
     assert result.stdout.count("compiled the model in this step") == 1  # the first step's time
