@@ -351,7 +351,6 @@ def add_plan_parser(commands):
     planner.add_argument("--json", action="store_true", help="the plan as JSON")
 
 
-
 def run_selftest(args):
     from coursekit import selftest
     selftest.run_all(args)
