@@ -15,7 +15,7 @@ How long a job runs:
   the scheduler books for it and the most it can be charged.
 """
 import math
-import shlex
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -96,9 +96,10 @@ def site_topology(profile, stage, shape):
 
 
 def flag_value(args, flag, default):
-    """The integer after ``flag`` in a profile's argument text, or ``default``."""
-    words = shlex.split(args)
-    return int(words[words.index(flag) + 1]) if flag in words else default
+    """The integer of ``flag N`` or ``flag=N`` in a profile's argument text (as
+    slurm.selftest_steps reads --max-steps), or ``default``."""
+    found = re.search(rf"{flag}[ =](\d+)", args)
+    return int(found[1]) if found else default
 
 
 def training_tokens(profile, stage):
@@ -180,10 +181,9 @@ def run_dir_bytes(profile, job):
 def shared_data_bytes(profile, root):
     """The prepared corpus the class shares: the shards data_command asks for, or the folder
     as prepared here."""
-    words = shlex.split(profile["data_command"])
-    if "--shards" in words:
-        return flag_value(profile["data_command"], "--shards", 1) * \
-            data.DEFAULT_SHARD_TOKENS * BYTES_PER_TOKEN
+    shards = flag_value(profile["data_command"], "--shards", None)
+    if shards:
+        return shards * data.DEFAULT_SHARD_TOKENS * BYTES_PER_TOKEN
     folder = Path(root) / profile["data"]
     return sum(path.stat().st_size for path in folder.rglob("*") if path.is_file())
 
