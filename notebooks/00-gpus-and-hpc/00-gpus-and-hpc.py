@@ -50,9 +50,11 @@
 #
 # A GPU is a throughput machine: thousands of simple cores and matrix units ("tensor cores") that
 # do the same operation on many numbers at once. Training a neural network is mostly matrix
-# multiplication, which is why GPUs are used: an NVIDIA H100 (SXM) does about 989 **TFLOP/s**
-# (10¹² floating-point operations per second) in bf16 on dense matrices, by NVIDIA's datasheet,
-# a laptop CPU a fraction of one (this lesson measures yours).
+# multiplication, which is why GPUs are used: an NVIDIA H100 SXM does at most about 989
+# **TFLOP/s** (10¹² floating-point operations per second) in bf16 on dense matrices, by
+# [NVIDIA's H100 datasheet](https://www.nvidia.com/en-us/data-center/h100/) (it prints 1,979, a
+# figure for matrices with 2:4 sparsity, twice the dense rate; the PCIe card does less), a laptop
+# CPU a fraction of one (this lesson measures yours).
 #
 # First, what does this kernel see? (Its paths and devices are the machine's that runs it: the
 # book leaves the output out, so run the cell yourself.)
@@ -138,9 +140,10 @@ plt.show()
 # registers, a fast on-chip memory and 4 **tensor cores**: units that multiply small matrix tiles
 # in one instruction, where most of the 989 TFLOP/s come from (the other cores do element-wise
 # work at a fraction of that). Beside the chip sits 80 GB of **HBM** (high-bandwidth memory),
-# read and written at 3.35 TB/s; every tensor of a training run lives there (NVIDIA's H100
-# datasheet; an A100 80GB has 108 SMs, 312 TFLOP/s and 2.0 TB/s, an AMD MI250X 3.2 TB/s for its
-# two dies).
+# read and written at 3.35 TB/s; every tensor of a training run lives there. These are vendors'
+# figures, not measurements: the H100 SXM's from NVIDIA's datasheet (and, for the SMs, its Hopper
+# architecture whitepaper); an A100 80GB SXM has 108 SMs, 312 dense bf16 TFLOP/s and 2.0 TB/s
+# by NVIDIA's A100 datasheet, an AMD MI250X 3.2 TB/s for its two dies by AMD's.
 #
 # Whether an operation is limited by compute or by memory depends on its **arithmetic
 # intensity**: the FLOPs it does per byte it moves between memory and the chip. An $n \times n$

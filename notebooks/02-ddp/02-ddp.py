@@ -131,8 +131,9 @@ print(demo.stdout)
 # and in every step each rank sends one $S/N$ chunk to its neighbour and receives one from the
 # other: each rank sends $2(N-1)/N \times S$ bytes per all-reduce and receives as many. For GPT-2
 # 124M in fp32, $S \approx 0.5$ GB: on 8 GPUs each GPU sends $2 \cdot 7/8 \cdot 0.5 = 0.875$ GB per
-# all-reduce (one per training step) and receives 0.875 GB, and on any number of GPUs less than $2S$ = 1 GB each way: nearly
-# independent of $N$, which is why data parallelism scales to thousands of GPUs.
+# all-reduce (one per optimiser step, after the last microbatch) and receives 0.875 GB, and on
+# any number of GPUs less than $2S$ = 1 GB each way: nearly independent of $N$, which is why data
+# parallelism scales to thousands of GPUs.
 #
 # Bandwidth is not the only limit. Each of the $2(N-1)$ steps also pays a latency (tens of
 # microseconds between nodes), which grows with $N$; rings give way to trees and hierarchies at
@@ -419,8 +420,9 @@ print(f"largest loss difference over {len(one)} steps: "
 # times.
 
 # %% [markdown]
-# The weak-scaling baseline is one process at one microbatch per step. It runs N times as many
-# steps (N = `NPROC`, the processes of the runs above), so that it sees as many tokens as the runs above; we use it again in the next section.
+# The weak-scaling baseline is one process at one microbatch per step. It runs $N$ times as many
+# steps ($N$ = `NPROC`, the number of processes of the runs above), so that it sees as many
+# tokens as they do; we use it again in the next section.
 
 # %% tags=["demo"]
 small_batch = train("weak-1", 1, MICROBATCH_TOKENS, STEPS * NPROC)

@@ -249,8 +249,15 @@ assert smallest_world_size(widgets.MODELS["70B shape"], "pp", 40, 1, 4096) is No
 # parameters, and freed again after; in backward they are gathered once more, and the gradients
 # are **reduce-scattered** so that each rank keeps the gradient of its own shard. The optimiser
 # then updates only local shards. Sharding every block, then the root (the embeddings and final
-# norm), means few blocks' parameters are whole at a time: the block that runs, and the next, whose
-# all-gather FSDP2 starts early (it *prefetches*) so that the communication overlaps the compute.
+# norm), means few blocks' parameters are whole at a time: the block that runs, and the one whose
+# all-gather FSDP2 has already started (it *prefetches*), so that the communication overlaps the
+# compute. In forward that is the next block: its all-gather runs on a stream of its own while
+# the current block computes. In backward it is the block before, the next to run backward:
+# FSDP2 issues its all-gather, in the reverse of forward's order, before the current block's
+# gradients are computed. The stage keeps these defaults; `set_modules_to_forward_prefetch` and
+# `set_modules_to_backward_prefetch` prefetch more blocks, at the cost of more whole blocks in
+# memory ([PyTorch's FSDP notes](https://docs.pytorch.org/docs/stable/notes/fsdp.html), and the
+# [pull request that added them](https://github.com/pytorch/pytorch/pull/128884)).
 #
 # The model is the same `solutions/gpt.py` as in every stage: FSDP is applied to it from outside.
 # The diff `diffs/ddp-fsdp.patch`:

@@ -237,18 +237,22 @@ assert shards_for_reader(tuple(SHARDS), 1, 2, 0, 2) == ["train-000001.tar", "tra
 # torchvision's `resnet18`), a quarter as wide so that a laptop computes a step in a blink. Its
 # BatchNorm layers carry buffers (running means and variances), so under DDP more than gradients
 # travel: DDP broadcasts rank 0's buffers before every forward (lesson 02). Each rank normalises
-# with its own batch's statistics; `nn.SyncBatchNorm.convert_sync_batchnorm(model)` makes them
-# the whole minibatch's, at the cost of a collective per layer in every forward: worth it when
-# each rank's batch is small.
+# with its own batch's statistics; `torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)` makes
+# them the whole minibatch's, at the cost of collectives in every BatchNorm layer, forward and
+# backward. It matters when each GPU's batch is small (a few images, as with large images or
+# models), where one rank's statistics are noisy; the kit's stage, with 128 images per rank by
+# default (`--batch-size`), keeps plain BatchNorm.
 #
 # torchvision is what clusters use for the model (`--model torchvision-resnet18`), and its v2
 # transforms augment tensors on a GPU. Its wheels on the package registry are built against
 # CUDA's torch, though, and with a CPU-only torch they fail to import (`operator torchvision::nms
 # does not exist`): the kit defines its own ResNet and augments with Kornia, so that this lesson
-# runs anywhere. On a cluster, install torchvision from the same index as the torch you use (for
-# a CUDA 12.8 build, `pip install torchvision --index-url https://download.pytorch.org/whl/cu128`),
-# or take the one in the site's PyTorch module: a torchvision built for another torch fails the
-# same way.
+# runs anywhere. On a cluster, install torchvision from the same index as the torch you use, for
+# the same build (CUDA or ROCm) and the release made for that torch version: for a CUDA 12.8
+# build, `pip install torchvision --index-url https://download.pytorch.org/whl/cu128`, for a ROCm
+# build the index of its ROCm version (`.../whl/rocm<version>`). Or take the one in the site's
+# PyTorch module or container. A torchvision built for another torch, or another build of it,
+# fails to import the same way.
 
 # %%
 BATCH = 64

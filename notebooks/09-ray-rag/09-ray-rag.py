@@ -141,10 +141,11 @@ print("the actor has seen", ray.get([tally.add.remote(square) for square, _, _ i
 #   tunnel to run on your laptop, through the login node:
 #   `ssh -N -J <login node> -L P:127.0.0.1:P <head node>`; then open `http://127.0.0.1:P`. Or
 #   go through Open OnDemand; never open a port.
-# - **Stopping.** Slurm sends SIGUSR1 180 s before the time limit (the site files'
-#   `#SBATCH --signal=B:USR1@180`). The batch file passes it
-#   to the driver, which checkpoints and stops; then the job stops every node and waits for
-#   them, so no Ray process outlives the job.
+# - **Stopping.** Slurm sends SIGUSR1 180 s before the time limit: every real site's profile
+#   sets `signal_seconds: 180`, which its batch files write as `#SBATCH --signal=B:USR1@180`
+#   (the test cluster's file below uses 60 s, for its short jobs). The batch file passes the
+#   signal to the driver, which checkpoints and stops; then the job stops every node and waits
+#   for them, so no Ray process outlives the job.
 #
 # The file for the kit's test cluster (2 nodes of 2 CPUs):
 
@@ -379,17 +380,18 @@ assert best_chunk_size(table, 127) == (32, 3)
 # chunk size and depth are those of your `best_chunk_size` for BM25.
 #
 # Two scores, each against the reference answers: the **token F1** of the model's greedy answer
-# (the harmonic mean of the precision and recall of its words, a SQuAD-style score: SQuAD's
-# official F1 also drops articles and punctuation), and the mean
-# log-probability per token that the model gives the reference answer, a finer measure for a
-# model that rarely writes the right words. For a bound, an *extractive* reader answers with the
-# first sentence of the top chunk, as a reader that copies perfectly would.
+# (the harmonic mean of the precision and recall of its words: a SQuAD-style score, not SQuAD's
+# own, whose official script also drops the articles *a*, *an* and *the* and deletes
+# punctuation rather than splitting words at it), and the mean log-probability per token that
+# the model gives the reference answer, a finer measure for a model that rarely writes the right
+# words. For a bound, an *extractive* reader answers with the first sentence of the top chunk, as
+# a reader that copies perfectly would.
 #
 # **Exercise 3.** Write `token_f1(prediction, reference)`, the SQuAD-style score of an answer.
-# Take the words of each in lower case (`re.findall(r"\w+", text.lower())`), count the words they share (a
-# word that occurs twice in both counts twice), and return the harmonic mean of the precision
-# (shared words over the prediction's) and the recall (shared words over the reference's) as a
-# float: 0.0 when they share none.
+# Take the words of each in lower case (`re.findall(r"\w+", text.lower())`), count the words
+# they share (a word that occurs twice in both counts twice), and return the harmonic mean of the
+# precision (shared words over the prediction's) and the recall (shared words over the
+# reference's) as a float: 0.0 when they share none.
 
 # %% nbgrader={"grade": false, "grade_id": "token_f1", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def token_f1(prediction, reference):

@@ -374,14 +374,26 @@ assert waits[0].startswith("torch.distributed.barrier()") and "barrier" not in w
 # steps synchronise too. Two ranks in two different collectives: the mismatch. **The fix.** No
 # collective in a branch that only some ranks take (here: no barrier; a file write needs none).
 #
-# On GPUs, NCCL's **flight recorder** keeps each rank's last collectives in a ring buffer
-# (`TORCH_NCCL_TRACE_BUFFER_SIZE=2000`). That alone writes nothing: `TORCH_NCCL_DUMP_ON_TIMEOUT=1`
-# dumps each rank's record when a collective times out, to `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`
-# followed by the rank. Its default, `/tmp/nccl_trace_rank_`, lies where every user of the node
-# can write, and the records are pickles that the reader loads: point it into a folder of yours,
-# such as the run's (`$RUN_DIR/nccl_trace_rank_`). Then
-# `python -m torch.distributed.flight_recorder.fr_trace` compares them across ranks (see
-# [PyTorch's ProcessGroupNCCL variables](https://docs.pytorch.org/docs/stable/torch_nccl_environment_variables.html)).
+# On GPUs, PyTorch's **flight recorder** keeps each rank's last collectives (which, on what
+# sizes, whether they completed) in a ring buffer. Three variables work together, and none does
+# the job alone:
+#
+# - `TORCH_NCCL_TRACE_BUFFER_SIZE=2000`: how many entries the buffer keeps (0 records nothing);
+#   recording alone writes nothing to disk.
+# - `TORCH_NCCL_DUMP_ON_TIMEOUT=1`: when a collective times out (or the watchdog sees an
+#   error), each rank writes its record.
+# - `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`: where, as a file prefix; each rank writes one file, the
+#   prefix followed by its rank. The default, `/tmp/nccl_trace_rank_`, lies where every user of
+#   the node can write, and the records are pickles that the reader loads: point it into a folder
+#   of yours, such as the run's (`$RUN_DIR/nccl_trace_rank_`).
+#
+# Then `torchfrtrace --prefix nccl_trace_rank_ $RUN_DIR` (or
+# `python -m torch.distributed.flight_recorder.fr_trace`) compares the ranks' records and names
+# the rank missing from a collective. Recent versions of PyTorch also read the first and the last
+# variable as `TORCH_FR_BUFFER_SIZE` and `TORCH_FR_DUMP_TEMP_FILE`. See
+# [PyTorch's ProcessGroupNCCL variables](https://docs.pytorch.org/docs/stable/torch_nccl_environment_variables.html)
+# and its [flight recorder tutorial](https://docs.pytorch.org/tutorials/prototype/flight_recorder_tutorial.html).
+#
 # When the ranks call collectives of different sizes, gloo does not hang but aborts:
 # `Received data size doesn't match expected size. Is there a distributed collective mismatch in your code?`.
 # `TORCH_DISTRIBUTED_DEBUG=DETAIL` checks every collective's type and shapes across ranks before
@@ -472,19 +484,28 @@ assert trains_like("same-data", "std-one-share")
 #
 # ## 5. Out of memory
 #
-# On a GPU: `torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 3.07 GiB`, and
-# `torch.cuda.memory_summary()` tells how much the allocator held and what for. On this CPU,
-# a limit on each process's address space (`RLIMIT_AS`, 3 GB) makes an allocation past it fail
-# the same way, inside Python: a micro-batch of 32 needs the gradients of 32 x 128 x 50,304
-# logits at once.
+# Memory runs out in two ways, and they look different.
 #
-# A job's `--mem` is not such a limit. Slurm enforces it with a cgroup on the resident memory of
-# all the job's processes on a node, and when they reach it the kernel kills one with SIGKILL:
-# no Python error at all. The log just ends (torchrun reports a child lost to signal 9) and
-# Slurm adds `slurmstepd: error: Detected 1 oom-kill event(s) in StepId=... cgroup`, and
-# `sacct -j JOBID -o State,MaxRSS` says `OUT_OF_MEMORY` (OSC's and NeSI's pages on oom-kill
-# show both). The first-aid page has both symptoms. (`RLIMIT_AS` is no tool for a
-# GPU job either: CUDA reserves far more address space than memory, and fails under it.)
+# - **Inside the process.** An allocation fails and Python raises an error, with a traceback, on
+#   the rank that asked. On a GPU: `torch.OutOfMemoryError: CUDA out of memory. Tried to allocate
+#   3.07 GiB`, and `torch.cuda.memory_summary()` tells how much the allocator held and what for.
+# - **From outside.** A job's `--mem` is enforced by Slurm through a cgroup on the resident
+#   memory of all the job's processes on a node. When they reach it, the kernel kills one with
+#   SIGKILL, which no program can catch: no Python error, no traceback. The log just ends
+#   (torchrun reports a child lost to signal 9), Slurm adds
+#   `slurmstepd: error: Detected 1 oom-kill event(s) in StepId=... cgroup`, and
+#   `sacct -j JOBID -o State,MaxRSS` shows the state `OUT_OF_MEMORY` (see the
+#   [NeSI](https://docs.nesi.org.nz/General/FAQs/What_does_oom_kill_mean/) and
+#   [OSC](https://www.osc.edu/documentation/knowledge_base/out_of_memory_oom_or_excessive_memory_usage)
+#   pages on oom-kill). The first-aid page lists both symptoms.
+#
+# This CPU has no GPU memory to run out of, so the lesson sets a stand-in: a limit on each
+# process's address space (`RLIMIT_AS`, 3 GB). An allocation past it fails inside the process, as
+# on a GPU: PyTorch's CPU allocator raises a `RuntimeError` (`DefaultCPUAllocator: can't allocate
+# memory`) where CUDA's raises `torch.OutOfMemoryError`. It is not what `--mem` does, and no tool
+# for a GPU job: the CUDA driver reserves large ranges of virtual addresses, far more than any
+# memory, and CUDA cannot start under such a limit. Here a micro-batch of 32 needs the gradients
+# of 32 x 128 x 50,304 logits at once.
 
 # %% tags=["demo"]
 LIMIT = 3 * 10**9
@@ -756,8 +777,10 @@ if (RUNS / "straggler" / "ranks").exists():
 # - DDP needs a gradient for every parameter: remove or freeze what the loss does not use;
 #   `find_unused_parameters=True` is for models whose unused part changes.
 # - A wrong data split does not fail: compare with the std stage at the same global batch.
-# - Out of memory: predict with `coursekit.memory`; lower the micro-batch with the same global
-#   batch, or checkpoint activations, or shard.
+# - Out of memory inside a process is a Python error with a traceback: predict with
+#   `coursekit.memory`; lower the micro-batch with the same global batch, or checkpoint
+#   activations, or shard. Past a job's `--mem`, the kernel kills a process from outside: no
+#   traceback, and `sacct` says `OUT_OF_MEMORY`.
 # - A NaN starts earlier than it shows: look at the gradient norm; then fix the learning rate and
 #   the warm-up, or the loss scaling in fp16.
 # - A straggler makes every rank slow: find it from each rank's time to reach the collective,
