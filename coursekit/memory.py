@@ -162,19 +162,25 @@ def logit_count(model, micro_batch, seq_len):
 
 def logit_gradient_bytes(model, micro_batch, seq_len, precision, tp=1,
                          loss_parallel=False):
-    """What the loss's backward adds to the activations (solutions/gpt.py's cross_entropy). It
-    recomputes one chunk of LOSS_CHUNK_TOKENS tokens at a time: the chunk's fp32 log-probabilities,
-    their gradient and the fp32 gradient of its logits, 12 bytes per logit of the chunk; the
-    chunks' gradients in the logits' precision (2 or 4 bytes per logit) add up until the last
-    chunk. With the logits themselves, that is 4 bytes per logit + 10 per chunk logit in 16 bits,
-    8 + 8 in fp32 (where the fp32 gradient is the chunk's gradient). With tensor parallelism a
-    rank holds 1/tp of each token's logits, and loss_parallel's cross-entropy of vocabulary-split
-    logits keeps one more fp32 value per chunk logit (measured: benchmarks/memory_per_rank.py)."""
+    """What the loss's backward adds to the activations (solutions/gpt.py's cross_entropy). In
+    16 bits it recomputes one chunk of LOSS_CHUNK_TOKENS tokens at a time: the chunk's fp32
+    log-probabilities, their gradient and the fp32 gradient of its logits, 12 bytes per logit of
+    the chunk; the chunks' gradients in the logits' precision (2 bytes per logit) add up until the
+    last chunk. With the logits themselves, that is 4 bytes per logit + 10 per chunk logit. In
+    fp32 the loss keeps the log-probabilities instead of the logits and recomputes nothing: a
+    chunk's backward adds the gradient of its log-probabilities and of its logits (8 bytes per
+    chunk logit), and the chunks' gradients, once all are done, are copied into one (4 + 4 bytes
+    per logit, the log-probabilities freed by then), which one chunk needs no copy for. With
+    tensor parallelism a rank holds 1/tp of each token's logits, and loss_parallel's
+    cross-entropy of vocabulary-split logits keeps one more fp32 value per chunk logit (measured
+    in bf16: benchmarks/memory_per_rank.py)."""
     tokens = micro_batch * seq_len
     logits = logit_count(model, micro_batch, seq_len) / tp
     chunk_logits = min(tokens, LOSS_CHUNK_TOKENS) * model.vocab_size / tp
-    per_chunk_logit = (8 if precision == "fp32" else 10) + (4 if loss_parallel else 0)
-    return (4 if precision == "fp32" else 2) * logits + per_chunk_logit * chunk_logits
+    parallel = 4 * chunk_logits if loss_parallel else 0
+    if precision == "fp32":
+        return max(4 * logits, 8 * chunk_logits) + parallel
+    return 2 * logits + 10 * chunk_logits + parallel
 
 
 def per_rank_bytes(model, strategy, world_size, precision="fp32", micro_batch=1, seq_len=None,

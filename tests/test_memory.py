@@ -220,6 +220,24 @@ def test_the_loss_never_copies_the_whole_16_bit_logits_to_fp32():
     assert measured["peak"] < logit_bytes + 2 * logit_bytes
 
 
+@pytest.mark.parametrize("precision, micro_batch, seq_len", [
+    ("fp32", 1, 512), ("fp32", 4, 2048), ("bf16-mixed", 1, 512)])  # 1 chunk, 8 chunks, 1 chunk
+def test_the_losss_measured_peak_is_the_prediction(precision, micro_batch, seq_len):
+    """What the loss's forward and backward allocate at most, in fp32 (which keeps the
+    log-probabilities and recomputes nothing: 12 bytes a logit for one chunk, 16 if it were
+    recomputed) and for one chunk of 16-bit logits (the test above has 8)."""
+    shape = memory.Model(n_layer=1, n_embd=64, n_head=4, vocab_size=1024, block_size=2048)
+    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    scores = torch.randn(micro_batch, seq_len, shape.vocab_size, dtype=dtype)
+    bias = torch.zeros(shape.vocab_size, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, shape.vocab_size, (micro_batch, seq_len))
+    with memory.allocated_peak() as measured:
+        gpt.cross_entropy(scores + bias, targets).backward()
+    logit_bytes = scores.numel() * scores.element_size()
+    predicted = logit_bytes + memory.logit_gradient_bytes(shape, micro_batch, seq_len, precision)
+    assert measured["peak"] == pytest.approx(predicted, rel=0.01)
+
+
 def test_the_measured_bf16_peak_of_a_tiny_training_step_is_the_prediction():
     """One training step of the tiny model on one process, in bf16, as a GPU's allocator would
     count it: what the step adds to the parameters, gradients and AdamW state (held from a

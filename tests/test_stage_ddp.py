@@ -152,9 +152,12 @@ def test_each_rank_records_its_steps_and_the_time_it_took_to_reach_the_all_reduc
     for rank_steps in records.values():
         assert [r["step"] for r in rank_steps] == [s["step"] for s in steps]
         assert all(0 < r["ready_s"] < r["step_s"] for r in rank_steps)
-    # the step times are wall-clock time of this run: on each rank, together no more than the
-    # time from the run's config.json (written before the first step) to its last record
+    # the step times are wall-clock time of this run: together no more than the time from the
+    # run's config.json, which rank 0 writes before its first step, to the rank's last record.
+    # Rank 1 may begin its first step before that file is written (nothing holds it back until
+    # the step's all-reduce, which waits for rank 0): its later steps lie within that time.
     started = (ddp_ten_steps / "config.json").stat().st_mtime
     for rank, rank_steps in records.items():
         ended = (ddp_ten_steps / "ranks" / f"{rank}.jsonl").stat().st_mtime
-        assert 0 < sum(r["step_s"] for r in rank_steps) <= ended - started
+        timed = rank_steps if rank == 0 else rank_steps[1:]
+        assert 0 < sum(r["step_s"] for r in timed) <= ended - started
