@@ -1,6 +1,7 @@
 """Lessons: jupytext pairs in sync, no outputs committed, lesson structure, and nbval on CPU."""
 import json
 import re
+from pathlib import Path
 
 import jupytext
 import nbformat
@@ -8,7 +9,7 @@ import pytest
 from jupytext.compare import NotebookDifference, compare_notebooks
 
 from conftest import lesson_notebook, lessons_run_under_nbval, run_nbval
-from coursekit import KIT_ROOT, book, grading
+from coursekit import KIT_ROOT, book, grading, trainee
 
 pytestmark = pytest.mark.notebooks
 LESSONS = grading.lessons(KIT_ROOT)
@@ -92,6 +93,42 @@ def test_the_glossary_check_catches_a_missing_term():
     terms = glossary_terms()
     assert in_glossary("Buckets", terms) and in_glossary("FSDP", terms)
     assert not in_glossary("Flux capacitor", terms) and not in_glossary("every", terms)
+
+
+#: Columns of code the book shows: a wider line is cut off, behind a scroll bar.
+CODE_WIDTH = 88
+#: Lines of a lesson's first code cell: its imports and a few settings a reader needs to see.
+FIRST_CELL_LINES = 15
+
+
+def lesson_code(lesson):
+    """{where: its lines} of a lesson's code: each code cell, and each module kept beside the
+    notebook (the plumbing a lesson does not teach, called from it in a line)."""
+    cells = [cell for cell in jupytext.read(lesson_notebook(lesson)).cells
+             if cell.cell_type == "code"]
+    code = {f"code cell {n}": cell.source.splitlines() for n, cell in enumerate(cells)}
+    folder = Path("notebooks") / lesson
+    for path in trainee.tracked_files(KIT_ROOT):
+        if path.parent == folder and path.suffix == ".py" and path.stem != lesson:
+            code[path.name] = (KIT_ROOT / path).read_text().splitlines()
+    return code
+
+
+def wider_than_the_book(code):
+    return [f"{where}: {line}" for where, lines in code.items() for line in lines
+            if len(line) > CODE_WIDTH]
+
+
+@pytest.mark.parametrize("lesson", LESSONS)
+def test_lesson_code_fits_the_books_width_and_opens_with_a_short_cell(lesson):
+    code = lesson_code(lesson)
+    assert wider_than_the_book(code) == []
+    assert len(code["code cell 0"]) <= FIRST_CELL_LINES, "\n".join(code["code cell 0"])
+
+
+def test_the_width_check_catches_a_wide_line():
+    code = {"code cell 0": ["x = 1", "y = " + "1 + " * 22 + "1"]}  # 93 columns
+    assert wider_than_the_book(code) == [f"code cell 0: {code['code cell 0'][1]}"]
 
 
 @pytest.mark.parametrize("lesson", LESSONS)

@@ -113,15 +113,18 @@ def time_matmul(n, repeats=5):
     for _ in range(repeats):
         a @ b
     if device == "cuda":
-        torch.cuda.synchronize()  # GPU work is asynchronous: wait before reading the clock
+        # GPU work is asynchronous: wait before reading the clock
+        torch.cuda.synchronize()
     return (time.perf_counter() - start) / repeats
 
 
 sizes = [128, 256, 512, 1024, 2048] + ([4096, 8192] if device == "cuda" else [])
 tflops = [achieved_tflops(n, time_matmul(n)) for n in sizes]
-peak = perf.table_peak_flops(perf.device_name(device)) if device == "cuda" else perf.cpu_peak_estimate()
+peak = (perf.table_peak_flops(perf.device_name(device)) if device == "cuda"
+        else perf.cpu_peak_estimate())
 for n, t in zip(sizes, tflops):
-    print(f"n = {n:5d}: {t:8.3f} TFLOP/s" + (f" = {100 * t * 1e12 / peak:5.1f}% of peak" if peak else ""))
+    print(f"n = {n:5d}: {t:8.3f} TFLOP/s"
+          + (f" = {100 * t * 1e12 / peak:5.1f}% of peak" if peak else ""))
 
 fig, ax = plt.subplots(figsize=(6, 3.5))
 ax.plot(sizes, tflops, "o-", label=f"measured on {perf.device_name(device)}")
@@ -172,7 +175,8 @@ def timed(work, repeats):
 
 
 def copy_bandwidth(megabytes=256 if device == "cuda" else 64, repeats=5):
-    """Bytes a second this device moves copying a large tensor (read once, written once)."""
+    """Bytes a second this device moves copying a large tensor (read once, written
+    once)."""
     numbers = megabytes * 2**20 // 4
     source = torch.empty(numbers, device=device, dtype=torch.float32).normal_()
     target = torch.empty_like(source)
@@ -193,7 +197,8 @@ print(f"x + y: {add_flops / 1e9:.2f} GFLOP/s at 1/12 FLOP per byte; the best mat
       f"product: {max(tflops) * 1e3:.0f} GFLOP/s")
 assert add_flops < max(tflops) * 1e12 / 10  # memory-bound, far below
 
-intensities = sorted([2.0**k for k in range(-5, 13)] + [roof / bandwidth])  # and the ridge
+# and the ridge
+intensities = sorted([2.0**k for k in range(-5, 13)] + [roof / bandwidth])
 fig, ax = plt.subplots(figsize=(6, 3.5))
 ax.plot(intensities, [min(roof, i * bandwidth) / 1e12 for i in intensities], "k-",
         label="roofline: min(peak, I x bandwidth)")
@@ -223,7 +228,8 @@ if topology:
     flags = ["topo", "-m"] if topology.endswith("nvidia-smi") else ["--showtopo"]
     print(subprocess.run([topology, *flags], capture_output=True, text=True).stdout)
 else:
-    print("No GPU tools here: on a GPU node, `nvidia-smi topo -m` prints how GPUs link.")
+    print("No GPU tools here: on a GPU node, `nvidia-smi topo -m` prints how GPUs "
+          "link.")
 
 # %% [markdown]
 # ## Speedup and parallel efficiency
@@ -250,7 +256,8 @@ from coursekit import exercise, scaling
 
 with exercise.own_work(scaling.speedup, scaling.efficiency):
     assert abs(speedup(100, 100) - 1.0) < 1e-12
-    assert abs(speedup(3, 12) - 0.25) < 1e-12  # slower on more processors: a speedup below 1
+    # slower on more processors: a speedup below 1
+    assert abs(speedup(3, 12) - 0.25) < 1e-12
 ### END HIDDEN TESTS
 
 
@@ -317,7 +324,8 @@ assert abs(serial_fraction(80, 22, 4) - 0.0333) < 1e-4
 from coursekit import exercise, scaling
 
 with exercise.own_work(scaling.amdahl_speedup, scaling.karp_flatt):
-    assert abs(serial_fraction(100, 25, 16) - 0.2) < 1e-12  # 100 h at s = 0.2 on 16: 20 + 80/16 h
+    # 100 h at s = 0.2 on 16: 20 + 80/16 h
+    assert abs(serial_fraction(100, 25, 16) - 0.2) < 1e-12
     assert abs(serial_fraction(60, 60, 8) - 1.0) < 1e-12
 ### END HIDDEN TESTS
 
@@ -378,7 +386,8 @@ widgets.scaling_calculator({1: 80, 4: 22})
 # %%
 from coursekit import KIT_ROOT
 
-example_batch_file = (KIT_ROOT / "batchfiles" / "generic" / "batch-ddp-2n4g.sh").read_text()
+example_batch_file = (KIT_ROOT / "batchfiles" / "generic"
+                      / "batch-ddp-2n4g.sh").read_text()
 print(example_batch_file)
 
 # %% [markdown]
@@ -400,20 +409,25 @@ def total_gpus(batch_file):
     nodes = int(options.get("--nodes", options.get("-N", 1)))
     gpus = options.get("--gpus-per-node")
     if gpus is None:  # --gres=gpu[:type]:count[,other resources]
-        gpus = next((g for g in options.get("--gres", "").split(",") if g.startswith("gpu:")), "0")
-    return nodes * int(gpus.rsplit(":", 1)[-1])  # the count is the last field: "a100:4" -> 4
+        gpus = next((g for g in options.get("--gres", "").split(",")
+                     if g.startswith("gpu:")), "0")
+    # the count is the last field: "a100:4" -> 4
+    return nodes * int(gpus.rsplit(":", 1)[-1])
     ### END SOLUTION
 
 
 # %% nbgrader={"grade": true, "grade_id": "total_gpus_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 assert total_gpus(example_batch_file) == 8
 assert total_gpus("#!/bin/bash\n#SBATCH --gpus-per-node=4\nsrun hostname\n") == 4
-assert total_gpus((KIT_ROOT / "batchfiles" / "leonardo" / "batch-ddp-2n4g.sh").read_text()) == 8
+assert total_gpus((KIT_ROOT / "batchfiles" / "leonardo"
+                   / "batch-ddp-2n4g.sh").read_text()) == 8
 ### BEGIN HIDDEN TESTS
 assert total_gpus("#!/bin/bash\n#SBATCH -N 3\n#SBATCH --gpus-per-node 2\n") == 6
-assert total_gpus("#!/bin/bash\n#SBATCH --nodes 16\n#SBATCH --gpus-per-node=8\n# --nodes=99\n") == 128
+assert total_gpus("#!/bin/bash\n#SBATCH --nodes 16\n#SBATCH --gpus-per-node=8\n"
+                  "# --nodes=99\n") == 128
 assert total_gpus("#!/bin/bash\n#SBATCH --nodes=2\n") == 0
-assert total_gpus("#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --gpus-per-node=a100:4\n") == 8
+assert total_gpus("#!/bin/bash\n#SBATCH --nodes=2\n"
+                  "#SBATCH --gpus-per-node=a100:4\n") == 8
 assert total_gpus("#!/bin/bash\n#SBATCH --gres=gpu:a100:2\n") == 2
 assert total_gpus("#!/bin/bash\n#SBATCH -N 4\n#SBATCH --gres=nvme:1,gpu:4\n") == 16
 ### END HIDDEN TESTS
@@ -428,7 +442,8 @@ import os
 import shutil
 import subprocess
 
-slurm_variables = {k: v for k, v in sorted(os.environ.items()) if k.startswith("SLURM_")}
+slurm_variables = {k: v for k, v in sorted(os.environ.items())
+                   if k.startswith("SLURM_")}
 if slurm_variables:
     for name in ("SLURM_JOB_ID", "SLURM_JOB_NODELIST", "SLURM_NNODES", "SLURM_NTASKS",
                  "SLURM_CPUS_PER_TASK", "SLURM_GPUS_ON_NODE"):

@@ -47,13 +47,20 @@ from IPython.display import display
 
 from coursekit import KIT_ROOT, data, perf, presets, runs, widgets
 
+# %% [markdown]
+# The set-up: the offline corpus the lesson trains on (built once, in seconds), and the run
+# length, the lesson's one knob.
+
+# %%
 DATA = KIT_ROOT / "data" / "builtin"
 if not (DATA / "meta.json").exists():  # the offline corpus: built in seconds, once
     data.prepare_builtin(DATA)
 meta = data.read_meta(DATA)
-print(json.dumps({split: info["tokens"] for split, info in meta["splits"].items()}), meta["description"])
-# Run length, the one knob of this lesson: the short runs take seconds on a laptop's CPU and show
-# the same things; with a GPU the longer ones are as quick. Set it to True or False to choose.
+print(json.dumps({split: info["tokens"] for split, info in meta["splits"].items()}),
+      meta["description"])
+# Run length, the one knob of this lesson: the short runs take seconds on a laptop's CPU
+# and show the same things; with a GPU the longer ones are as quick. Set it to True or
+# False to choose.
 LONGER_RUNS = torch.cuda.is_available()
 
 # %% [markdown]
@@ -127,7 +134,8 @@ tiny = presets.get_preset("tiny")
 accum = tiny.batch_tokens // (tiny.micro_batch * tiny.seq_len)
 print(f"tiny preset: B={tiny.micro_batch}, T={tiny.seq_len}, grad_accum={accum} -> "
       f"{tokens_per_step(tiny.micro_batch, accum, tiny.seq_len):,} tokens per step, "
-      f"{steps_per_epoch(meta['splits']['train']['tokens'], tiny.micro_batch, accum, tiny.seq_len)} steps per epoch")
+      f"""{steps_per_epoch(meta['splits']['train']['tokens'], tiny.micro_batch, accum,
+                           tiny.seq_len)} steps per epoch""")
 
 # %% [markdown]
 # The batch calculator does this arithmetic for any shape; it starts at GPT-2 124M's batch on
@@ -174,8 +182,8 @@ from solutions import gpt
 std = stages.load("std")  # solutions/train_gpt2_std.py, imported as a module
 
 torch.manual_seed(1337)
-config = gpt.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len, n_layer=tiny.n_layer,
-                       n_head=tiny.n_head, n_embd=tiny.n_embd)
+config = gpt.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len,
+                       n_layer=tiny.n_layer, n_head=tiny.n_head, n_embd=tiny.n_embd)
 model = gpt.GPT(config)
 print(model)
 print(f"{sum(p.numel() for p in model.parameters()):,} parameters")
@@ -191,15 +199,16 @@ print(f"{sum(p.numel() for p in model.parameters()):,} parameters")
 def gpt2_parameters(n_layer, n_embd, vocab_size, block_size):
     ### BEGIN SOLUTION
     d = n_embd
-    per_block = 2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d) + (4 * d * d + d)
+    per_block = (2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d)
+                 + (4 * d * d + d))
     return vocab_size * d + block_size * d + n_layer * per_block + 2 * d
     ### END SOLUTION
 
 
 # %% nbgrader={"grade": true, "grade_id": "parameters_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 assert gpt2_parameters(12, 768, 50257, 1024) == 124_439_808
-assert gpt2_parameters(config.n_layer, config.n_embd, config.vocab_size, config.block_size) == \
-    sum(p.numel() for p in model.parameters())
+assert gpt2_parameters(config.n_layer, config.n_embd, config.vocab_size,
+                       config.block_size) == sum(p.numel() for p in model.parameters())
 ### BEGIN HIDDEN TESTS
 from coursekit import exercise, memory
 
@@ -221,7 +230,8 @@ with exercise.own_work(memory.Model.parameters.fget, memory.Model.block_paramete
 from IPython.display import display
 
 train_loader = std.TokenShardLoader(DATA, "train", tiny.micro_batch, tiny.seq_len)
-optimizer = std.configure_optimizer(model, tiny.lr, tiny.weight_decay, torch.device("cpu"))
+optimizer = std.configure_optimizer(model, tiny.lr, tiny.weight_decay,
+                                    torch.device("cpu"))
 steps, losses = (40 if LONGER_RUNS else 20), []
 fig, ax = plt.subplots(figsize=(6, 3.5))
 handle = display(fig, display_id=True)
@@ -256,20 +266,24 @@ print(f"loss {losses[0]:.2f} -> {losses[-1]:.2f} in {steps} steps")
 # %% tags=["demo"]
 import shutil
 
-# on a GPU, a model big enough to keep it busy: the tiny one would leave it idle most of the time
+# on a GPU, a model big enough to keep it busy: the tiny one would leave it idle most of
+# the time
 SCRIPT_PRESET = "small" if torch.cuda.is_available() else "tiny"
 run_dir = Path("runs") / f"std-{SCRIPT_PRESET}-lesson01"
-shutil.rmtree(run_dir, ignore_errors=True)  # a fresh demonstration run each time the cell runs
+# a fresh demonstration run each time the cell runs
+shutil.rmtree(run_dir, ignore_errors=True)
 script_steps = 60 if LONGER_RUNS else 30
 command = [sys.executable, str(KIT_ROOT / "solutions" / "train_gpt2_std.py"),
            "--preset", SCRIPT_PRESET, "--data", str(DATA), "--out", str(run_dir),
            "--max-steps", str(script_steps), "--eval-interval", str(script_steps // 3)]
-log = run_dir.with_suffix(".log")  # the script's printed lines, beside its run directory
+# the script's printed lines, beside its run directory
+log = run_dir.with_suffix(".log")
 log.parent.mkdir(exist_ok=True)
 start = time.perf_counter()
 with open(log, "w") as output:
     process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
-    monitor = widgets.TrainingMonitor(run_dir)  # redraws from metrics.jsonl while the run goes on
+    # redraws from metrics.jsonl while the run goes on
+    monitor = widgets.TrainingMonitor(run_dir)
     display(monitor.widget)
     exit_code = monitor.follow(process)
 lines = log.read_text().splitlines()
@@ -287,8 +301,10 @@ print(f"({time.perf_counter() - start:.0f} s)")
 metrics = runs.read_metrics(run_dir)
 validation = [r for r in metrics if "val_loss" in r]
 fig, ax = plt.subplots(figsize=(6, 3.5))
-ax.plot([r["step"] for r in metrics], [r["loss"] for r in metrics], label="training loss")
-ax.plot([r["step"] for r in validation], [r["val_loss"] for r in validation], "o-", label="validation loss")
+ax.plot([r["step"] for r in metrics], [r["loss"] for r in metrics],
+        label="training loss")
+ax.plot([r["step"] for r in validation], [r["val_loss"] for r in validation], "o-",
+        label="validation loss")
 ax.set_xlabel("step")
 ax.set_ylabel("loss")
 ax.legend()
@@ -308,29 +324,36 @@ plt.show()
 def top_k_filter(logits, k):
     ### BEGIN SOLUTION
     kth_largest = torch.topk(logits, k).values[-1]
-    return torch.where(logits < kth_largest, torch.full_like(logits, -float("inf")), logits)
+    return torch.where(logits < kth_largest, torch.full_like(logits, -float("inf")),
+                       logits)
     ### END SOLUTION
 
 
 # %% nbgrader={"grade": true, "grade_id": "top_k_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 scores = torch.tensor([1.0, 5.0, 3.0, -2.0, 4.0])
-assert top_k_filter(scores, 2).tolist() == [-float("inf"), 5.0, -float("inf"), -float("inf"), 4.0]
-assert torch.equal(scores, torch.tensor([1.0, 5.0, 3.0, -2.0, 4.0]))  # the input is unchanged
+assert top_k_filter(scores, 2).tolist() == [-float("inf"), 5.0, -float("inf"),
+                                            -float("inf"), 4.0]
+# the input is unchanged
+assert torch.equal(scores, torch.tensor([1.0, 5.0, 3.0, -2.0, 4.0]))
 ### BEGIN HIDDEN TESTS
 assert top_k_filter(scores, 5).tolist() == scores.tolist()
-assert torch.softmax(top_k_filter(scores, 1), dim=0).tolist() == [0.0, 1.0, 0.0, 0.0, 0.0]
+assert (torch.softmax(top_k_filter(scores, 1), dim=0).tolist()
+        == [0.0, 1.0, 0.0, 0.0, 0.0])
 ### END HIDDEN TESTS
 
 # %% tags=["demo"]
 step, state = runs.load_checkpoint(run_dir)
-trained = gpt.GPT(gpt.GPTConfig(**runs.read_json(run_dir / "config.json")["model"]))  # the run's
+# the run's
+trained = gpt.GPT(gpt.GPTConfig(**runs.read_json(run_dir / "config.json")["model"]))
 trained.load_state_dict(state["model"])
 trained.eval()
 prompt = torch.tensor([encoding.encode_ordinary("Return the")])
 for temperature in (0.5, 1.0):
     generator = torch.Generator().manual_seed(0)
-    tokens = trained.generate(prompt, 30, temperature=temperature, generator=generator)[0].tolist()
-    print(f"temperature {temperature}: {encoding.decode([t for t in tokens if t < data.EOT_TOKEN])!r}")
+    tokens = trained.generate(prompt, 30, temperature=temperature,
+                              generator=generator)[0].tolist()
+    print(f"temperature {temperature}: "
+          f"{encoding.decode([t for t in tokens if t < data.EOT_TOKEN])!r}")
 
 # %% [markdown]
 # After a few dozen steps on a laptop the model has learned common words and punctuation, not
@@ -377,10 +400,13 @@ with exercise.own_work(perf.flops_per_token, perf.matmul_params):
 # %% tags=["demo"]
 config_json = runs.read_json(run_dir / "config.json")
 median_tokens_per_s = sorted(r["tok_per_s"] for r in metrics)[len(metrics) // 2]
-fpt = flops_per_token(config.n_layer, config.n_embd, config.block_size, config.vocab_size)
+fpt = flops_per_token(config.n_layer, config.n_embd, config.block_size,
+                      config.vocab_size)
 print(f"{fpt / 1e6:.1f} MFLOP per token x {median_tokens_per_s:,.0f} tokens/s = "
-      f"{fpt * median_tokens_per_s / 1e9:.1f} GFLOP/s of {config_json['peak_flops'] / 1e9:.0f} "
-      f"({config_json['peak_source']}) -> MFU {fpt * median_tokens_per_s / config_json['peak_flops']:.0%}")
+      f"{fpt * median_tokens_per_s / 1e9:.1f} GFLOP/s of "
+      f"{config_json['peak_flops'] / 1e9:.0f} "
+      f"({config_json['peak_source']}) -> MFU "
+      f"{fpt * median_tokens_per_s / config_json['peak_flops']:.0%}")
 
 # %% [markdown]
 # What keeps MFU below 100%:

@@ -56,16 +56,23 @@ from coursekit import KIT_ROOT, data, diffs, distributed, presets, runs, stages,
 from coursekit.launch import torchrun
 from solutions import gpt
 
+# %% [markdown]
+# The set-up: the offline corpus, the std and ddp stages, your working copy of the script,
+# and the run length, the lesson's one knob.
+
+# %%
 DATA = KIT_ROOT / "data" / "builtin"
 if not (DATA / "meta.json").exists():  # the offline corpus: built in seconds, once
     data.prepare_builtin(DATA)
 std, ddp = stages.load("std"), stages.load("ddp")  # solutions/train_gpt2_{std,ddp}.py
 LESSON = "02-ddp"
-WORKING_COPY = Path("train_gpt2.py").resolve()  # yours, next to this notebook: handed in with it
+# yours, next to this notebook: handed in with it
+WORKING_COPY = Path("train_gpt2.py").resolve()
 tiny = presets.get_preset("tiny")
 print(f"torch {torch.__version__}; GPUs visible: {torch.cuda.device_count()}")
-# Run length, the one knob of this lesson: the short runs take seconds on a laptop's CPU and show
-# the same things; with GPUs the longer ones are as quick. Set it to True or False to choose.
+# Run length, the one knob of this lesson: the short runs take seconds on a laptop's CPU
+# and show the same things; with GPUs the longer ones are as quick. Set it to True or
+# False to choose.
 LONGER_RUNS = torch.cuda.is_available()
 
 # %% [markdown]
@@ -93,8 +100,8 @@ LONGER_RUNS = torch.cuda.is_available()
 # samples equals the mean of the gradients of two halves of 4.
 
 # %% tags=["demo"]
-config = gpt.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len, n_layer=tiny.n_layer,
-                       n_head=tiny.n_head, n_embd=tiny.n_embd)
+config = gpt.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len,
+                       n_layer=tiny.n_layer, n_head=tiny.n_head, n_embd=tiny.n_embd)
 torch.manual_seed(0)
 model = gpt.GPT(config)  # solutions/gpt.py: the model every stage trains
 x, y = std.TokenShardLoader(DATA, "train", 8, tiny.seq_len).next_batch()
@@ -107,7 +114,8 @@ def gradient(samples):
 
 
 whole = gradient(slice(0, 8))
-halves = (gradient(slice(0, 4)) + gradient(slice(4, 8))) / 2  # what all-reduce / N computes
+# what all-reduce / N computes
+halves = (gradient(slice(0, 4)) + gradient(slice(4, 8))) / 2
 print(f"{whole.numel():,} gradient entries; max |mean of halves - whole batch| = "
       f"{(halves - whole).abs().max():.1e}")
 
@@ -120,7 +128,8 @@ print(f"{whole.numel():,} gradient entries; max |mean of halves - whole batch| =
 # tells each where it is.
 
 # %% tags=["demo"]
-DEMO = KIT_ROOT / "notebooks" / "02-ddp" / "allreduce_demo.py"  # found from any working folder
+# found from any working folder
+DEMO = KIT_ROOT / "notebooks" / "02-ddp" / "allreduce_demo.py"
 demo = subprocess.run([*torchrun(2), str(DEMO)],
                       capture_output=True, text=True, check=True)
 print(demo.stdout)
@@ -156,8 +165,10 @@ for name in ("tiny", "gpt2-124m"):
     p = presets.get_preset(name)
     n_params = 12 * p.n_layer * p.n_embd**2 + p.vocab_size * p.n_embd
     megabytes = 4 * n_params / 1e6  # fp32 gradients
-    print(f"{name:10s} ~{n_params / 1e6:6.1f} M matmul parameters -> {megabytes:6.1f} MB of gradients "
-          f"-> about {max(1, round(megabytes / bucket_mb))} bucket(s) of {bucket_mb} MB")
+    print(f"{name:10s} ~{n_params / 1e6:6.1f} M matmul parameters -> "
+          f"{megabytes:6.1f} MB of gradients "
+          f"-> about {max(1, round(megabytes / bucket_mb))} bucket(s) of "
+          f"{bucket_mb} MB")
 
 # %% [markdown]
 # ## Where am I? Rank, local rank, world size
@@ -191,13 +202,17 @@ def process_coordinates(env):
 
 
 # %% nbgrader={"grade": true, "grade_id": "coordinates_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-assert process_coordinates({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1"}) == (5, 8, 1)
+assert process_coordinates({"RANK": "5", "WORLD_SIZE": "8",
+                            "LOCAL_RANK": "1"}) == (5, 8, 1)
 assert process_coordinates({}) == (0, 1, 0)
 ### BEGIN HIDDEN TESTS
-assert process_coordinates({"SLURM_PROCID": "6", "SLURM_NTASKS": "16", "SLURM_LOCALID": "2"}) == (6, 16, 2)
-# srun torchrun: Slurm counts one task per node, torchrun's names are the ones that matter
+assert process_coordinates({"SLURM_PROCID": "6", "SLURM_NTASKS": "16",
+                            "SLURM_LOCALID": "2"}) == (6, 16, 2)
+# srun torchrun: Slurm counts one task per node, torchrun's names are the ones
+# that matter
 assert process_coordinates({"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "3",
-                            "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}) == (3, 8, 3)
+                            "SLURM_PROCID": "0", "SLURM_NTASKS": "2",
+                            "SLURM_LOCALID": "0"}) == (3, 8, 3)
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -232,9 +247,11 @@ assert x1.tolist() == [[6, 7, 8], [9, 10, 11]]
 ### BEGIN HIDDEN TESTS
 import numpy as np
 
-train_tokens = torch.from_numpy(np.load(sorted(DATA.glob("train_*.npy"))[0])[:10_000].astype(np.int64))
+train_tokens = torch.from_numpy(
+    np.load(sorted(DATA.glob("train_*.npy"))[0])[:10_000].astype(np.int64))
 for r in range(4):
-    expected = ddp.TokenShardLoader(DATA, "train", 2, 16, rank=r, world_size=4).next_batch()
+    expected = ddp.TokenShardLoader(DATA, "train", 2, 16, rank=r,
+                                    world_size=4).next_batch()
     got = rank_microbatch(train_tokens, 2, 16, r, 4)
     assert all(torch.equal(a, b) for a, b in zip(got, expected))
 ### END HIDDEN TESTS
@@ -244,13 +261,17 @@ for r in range(4):
 # the 8 samples that one process with microbatch 8 sees.
 
 # %% tags=["demo"]
-ranks = [ddp.TokenShardLoader(DATA, "train", 4, tiny.seq_len, rank=r, world_size=2).next_batch()
+ranks = [ddp.TokenShardLoader(DATA, "train", 4, tiny.seq_len, rank=r,
+                              world_size=2).next_batch()
          for r in range(2)]
 one_process = std.TokenShardLoader(DATA, "train", 8, tiny.seq_len).next_batch()
 together = torch.cat([ranks[0][0], ranks[1][0]])
-print("rank 0 starts with", data.gpt2_encoding().decode(ranks[0][0][0, :12].tolist()).__repr__())
-print("rank 1 starts with", data.gpt2_encoding().decode(ranks[1][0][0, :12].tolist()).__repr__())
-print("ranks 0 and 1 together == one process with B=8:", torch.equal(together, one_process[0]))
+print("rank 0 starts with",
+      data.gpt2_encoding().decode(ranks[0][0][0, :12].tolist()).__repr__())
+print("rank 1 starts with",
+      data.gpt2_encoding().decode(ranks[1][0][0, :12].tolist()).__repr__())
+print("ranks 0 and 1 together == one process with B=8:",
+      torch.equal(together, one_process[0]))
 
 # %% [markdown]
 # ## From `train_gpt2_std.py` to `train_gpt2_ddp.py`, hunk by hunk
@@ -328,7 +349,8 @@ print(diffs.report(LESSON, diffs.status(LESSON, WORKING_COPY)).splitlines()[-1])
 # %% nbgrader={"grade": false, "grade_id": "conversion", "locked": false, "schema_version": 3, "solution": true, "task": false}
 # Your work for this exercise is in train_gpt2.py.
 ### BEGIN SOLUTION
-for found in diffs.status(LESSON, WORKING_COPY):  # what the work in the editor amounts to
+# what the work in the editor amounts to
+for found in diffs.status(LESSON, WORKING_COPY):
     if found.state == "not yet applied":
         diffs.apply_hunk(LESSON, found.hunk.number, WORKING_COPY)
 ### END SOLUTION
@@ -336,13 +358,16 @@ for found in diffs.status(LESSON, WORKING_COPY):  # what the work in the editor 
 # %% nbgrader={"grade": true, "grade_id": "conversion_tests", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
 statuses = diffs.status(LESSON, WORKING_COPY)
 print(diffs.report(LESSON, statuses))
-assert all(found.state == "applied" for found in statuses), "the report above lists what is left"
+assert all(found.state == "applied" for found in statuses), \
+    "the report above lists what is left"
 ### BEGIN HIDDEN TESTS
 from coursekit import exercise  # noqa: E402
 
-yours, solution = exercise.conversion_losses(stages.load_script(WORKING_COPY, "trainee_train_gpt2"),
-                                             ddp, DATA, Path("runs") / "conversion", steps=10)
-assert len(yours) == 10 and all(abs(a - b) <= 1e-6 for a, b in zip(yours, solution)), (yours, solution)
+yours, solution = exercise.conversion_losses(
+    stages.load_script(WORKING_COPY, "trainee_train_gpt2"), ddp, DATA,
+    Path("runs") / "conversion", steps=10)
+assert len(yours) == 10 and all(abs(a - b) <= 1e-6
+                                for a, b in zip(yours, solution)), (yours, solution)
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -362,8 +387,10 @@ assert len(yours) == 10 and all(abs(a - b) <= 1e-6 for a, b in zip(yours, soluti
 # %% tags=["demo"]
 SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_ddp.py"  # or WORKING_COPY: yours
 GPUS = torch.cuda.device_count()
-NPROC, DEVICE = (GPUS, "auto") if GPUS >= 2 else (2, "cpu")  # two ranks cannot share one GPU
-RUN_PRESET = presets.get_preset("small" if DEVICE == "auto" else "tiny")  # GPUs: keep them busy
+# two ranks cannot share one GPU
+NPROC, DEVICE = (GPUS, "auto") if GPUS >= 2 else (2, "cpu")
+# GPUs: keep them busy
+RUN_PRESET = presets.get_preset("small" if DEVICE == "auto" else "tiny")
 MICROBATCH_TOKENS = RUN_PRESET.micro_batch * RUN_PRESET.seq_len
 GLOBAL_BATCH = MICROBATCH_TOKENS * NPROC
 RUNS = Path("runs")
@@ -371,7 +398,8 @@ STEPS = 40 if LONGER_RUNS else 20  # per run, at the global batch
 
 
 def train(name, processes, batch_tokens, steps, *flags):
-    """Run the DDP stage (plain python for 1 process, torchrun for more); return its metrics."""
+    """Run the DDP stage (plain python for 1 process, torchrun for more); return its
+    metrics."""
     out = RUNS / name
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each time the cell runs
     launcher = torchrun(processes) if processes > 1 else [sys.executable]
@@ -384,7 +412,8 @@ def train(name, processes, batch_tokens, steps, *flags):
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
     shown = " ".join(Path(word).name if os.sep in word else word for word in command)
-    summary = [line for line in result.stdout.splitlines() if "processes" in line or "grad_accum" in line]
+    summary = [line for line in result.stdout.splitlines()
+               if "processes" in line or "grad_accum" in line]
     print("\n  ".join([f"$ {shown}", *summary, result.stdout.splitlines()[-1]]))
     return runs.read_metrics(out)
 
@@ -394,8 +423,10 @@ many = train(f"strong-{NPROC}", NPROC, GLOBAL_BATCH, STEPS)
 
 # %% tags=["demo"]
 fig, ax = plt.subplots(figsize=(6, 3.5))
-ax.plot([r["step"] for r in one], [r["loss"] for r in one], label="1 process, grad_accum")
-ax.plot([r["step"] for r in many], [r["loss"] for r in many], "--", label=f"{NPROC} processes (DDP)")
+ax.plot([r["step"] for r in one], [r["loss"] for r in one],
+        label="1 process, grad_accum")
+ax.plot([r["step"] for r in many], [r["loss"] for r in many], "--",
+        label=f"{NPROC} processes (DDP)")
 ax.set_xlabel("step")
 ax.set_ylabel("training loss")
 ax.set_title(f"same global batch: {GLOBAL_BATCH:,} tokens per step")
@@ -436,10 +467,12 @@ speedup = throughput(many) / throughput(one)  # the same steps: time 1 / time N
 efficiency = speedup / NPROC
 weak = throughput(many) / (NPROC * throughput(small_batch))  # N times the work per step
 device = "GPUs" if DEVICE == "auto" else "CPU processes"
-print(f"{'1 process, ' + f'{GLOBAL_BATCH:,}-token steps':36s} {throughput(one):8,.0f} tok/s")
-print(f"{f'{NPROC} {device}, the same steps':36s} {throughput(many):8,.0f} tok/s -> strong scaling: "
-      f"speedup {speedup:.2f}, efficiency {efficiency:.0%}")
-print(f"{'1 process, ' + f'{MICROBATCH_TOKENS:,}-token steps':36s} {throughput(small_batch):8,.0f} tok/s -> "
+print(f"{'1 process, ' + f'{GLOBAL_BATCH:,}-token steps':36s} "
+      f"{throughput(one):8,.0f} tok/s")
+print(f"{f'{NPROC} {device}, the same steps':36s} {throughput(many):8,.0f} tok/s -> "
+      f"strong scaling: speedup {speedup:.2f}, efficiency {efficiency:.0%}")
+print(f"{'1 process, ' + f'{MICROBATCH_TOKENS:,}-token steps':36s} "
+      f"{throughput(small_batch):8,.0f} tok/s -> "
       f"weak scaling efficiency of {NPROC} processes: {weak:.0%}")
 
 # %% [markdown]
@@ -478,14 +511,17 @@ widgets.scaling_calculator({1: 1 / throughput(one), NPROC: 1 / throughput(many)}
 limit = {"A": None, "B": None, "C": None, "D": None}
 ### BEGIN SOLUTION
 limit = {"A": "scales well",  # 96% efficiency, the all-reduce hidden behind backward
-         "B": "network",  # busy 30%, 62% of each step waiting for gradients across Ethernet
-         "C": "input pipeline",  # idle GPUs waiting on the data loader with two cores to run it
+         # busy 30%, 62% of each step waiting for gradients across Ethernet
+         "B": "network",
+         # idle GPUs waiting on the data loader with two cores to run it
+         "C": "input pipeline",
          "D": "too little work per GPU"}  # fixed costs per step dwarf 0.4 ms of kernels
 ### END SOLUTION
 
 # %% nbgrader={"grade": true, "grade_id": "limits_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 assert set(limit) == {"A", "B", "C", "D"}
-assert all(answer in ("scales well", "network", "input pipeline", "too little work per GPU")
+assert all(answer in ("scales well", "network", "input pipeline",
+                      "too little work per GPU")
            for answer in limit.values()), "answer with one of the four phrases"
 ### BEGIN HIDDEN TESTS
 assert limit == {"A": "scales well", "B": "network", "C": "input pipeline",
@@ -515,21 +551,27 @@ assert limit == {"A": "scales well", "B": "network", "C": "input pipeline",
 # compare the validation loss at the end.
 
 # %% tags=["demo"]
-scaled_lr = RUN_PRESET.lr * (GLOBAL_BATCH / MICROBATCH_TOKENS) ** 0.5  # the square-root rule
-scaled = train(f"sqrt-lr-{NPROC}", NPROC, GLOBAL_BATCH, STEPS, "--lr", f"{scaled_lr:.6g}")
-tokens_seen = {"small batch": small_batch, "large batch, same lr": many, "large batch, sqrt lr": scaled}
+# the square-root rule
+scaled_lr = RUN_PRESET.lr * (GLOBAL_BATCH / MICROBATCH_TOKENS) ** 0.5
+scaled = train(f"sqrt-lr-{NPROC}", NPROC, GLOBAL_BATCH, STEPS, "--lr",
+               f"{scaled_lr:.6g}")
+tokens_seen = {"small batch": small_batch, "large batch, same lr": many,
+               "large batch, sqrt lr": scaled}
 fig, ax = plt.subplots(figsize=(6, 3.5))
 for label, metrics in tokens_seen.items():
     batch = MICROBATCH_TOKENS if metrics is small_batch else GLOBAL_BATCH
-    ax.plot([r["step"] * batch for r in metrics], [r["loss"] for r in metrics], label=label)
-    print(f"{label:22s} {len(metrics):3d} steps, final validation loss {metrics[-1]['val_loss']:.3f}")
+    ax.plot([r["step"] * batch for r in metrics], [r["loss"] for r in metrics],
+            label=label)
+    print(f"{label:22s} {len(metrics):3d} steps, final validation loss "
+          f"{metrics[-1]['val_loss']:.3f}")
 ax.set_xlabel("tokens seen")
 ax.set_ylabel("training loss")
 ax.legend()
 plt.show()
 gap = many[-1]["val_loss"] - small_batch[-1]["val_loss"]
 won_back = (many[-1]["val_loss"] - scaled[-1]["val_loss"]) / gap
-print(f"the sqrt-scaled learning rate wins back {won_back:.0%} of the large batch's gap of {gap:.3f}")
+print(f"the sqrt-scaled learning rate wins back {won_back:.0%} of the large batch's "
+      f"gap of {gap:.3f}")
 assert won_back > 0.25, won_back
 
 # %% [markdown]

@@ -36,6 +36,19 @@
 # The time is an estimate; the instructor guide says how it is made.
 
 # %%
+import lightning as L
+import matplotlib.pyplot as plt
+import torch
+import torch.nn.functional as F
+from IPython.display import HTML, display
+
+from coursekit import KIT_ROOT, data, runs, stages
+
+# %% [markdown]
+# The set-up: the standard library's modules the lesson uses, the offline corpus, the lit
+# stage imported as a module, and Lightning's start-up notes kept out of the lesson.
+
+# %%
 import html
 import inspect
 import logging
@@ -48,26 +61,20 @@ import time
 import warnings
 from pathlib import Path
 
-import lightning as L
-import matplotlib.pyplot as plt
-import torch
-import torch.nn.functional as F
-from IPython.display import HTML, display
-
-from coursekit import KIT_ROOT, data, runs, stages
-
 DATA = KIT_ROOT / "data" / "builtin"
 if not (DATA / "meta.json").exists():  # the offline corpus: built in seconds, once
     data.prepare_builtin(DATA)
 lit = stages.load("lit")  # solutions/train_gpt2_lit.py, imported as a module
-# Lightning's start-up notes go to stderr, and nbgrader scores a test cell that writes to stderr
-# as failed: keep Lightning's warnings and errors, drop its notes and a deprecation from torch.
+# Lightning's start-up notes go to stderr, and nbgrader scores a test cell that writes
+# to stderr as failed: keep Lightning's warnings and errors, drop its notes and a
+# deprecation from torch.
 for name in ("lightning.pytorch", "lightning.fabric"):
     logging.getLogger(name).setLevel(logging.WARNING)
 warnings.filterwarnings("ignore", message=r".*LeafSpec.*is deprecated")
 SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_lit.py"
 RUNS = Path("runs")
-print(f"lightning {L.__version__}, torch {torch.__version__}; GPUs visible: {torch.cuda.device_count()}")
+print(f"lightning {L.__version__}, torch {torch.__version__}; "
+      f"GPUs visible: {torch.cuda.device_count()}")
 
 # %% [markdown]
 # ## What Lightning automates, and what it does not
@@ -113,14 +120,18 @@ lightning_does_it = {
 
 # %% nbgrader={"grade": true, "grade_id": "automates_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 assert len(lightning_does_it) == 6
-assert all(isinstance(answer, bool) for answer in lightning_does_it.values()), "answer True or False"
+assert all(isinstance(answer, bool) for answer in lightning_does_it.values()), \
+    "answer True or False"
 ### BEGIN HIDDEN TESTS
 assert lightning_does_it["wrap the model in DistributedDataParallel"] is True
-assert lightning_does_it["skip the all-reduce for accumulated microbatches (no_sync)"] is True
+assert lightning_does_it[
+    "skip the all-reduce for accumulated microbatches (no_sync)"] is True
 assert lightning_does_it["scale the learning rate when the global batch grows"] is False
 assert lightning_does_it["clip the gradient norm"] is True
-assert lightning_does_it["give each rank different samples from the kit's own TokenShardLoader"] is False
-assert lightning_does_it["save the optimiser state and the step counter in checkpoints"] is True
+assert lightning_does_it[
+    "give each rank different samples from the kit's own TokenShardLoader"] is False
+assert lightning_does_it[
+    "save the optimiser state and the step counter in checkpoints"] is True
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -173,8 +184,9 @@ torch.manual_seed(0)
 xs = torch.rand(256, 1)
 points = DataLoader(TensorDataset(xs, 3 * xs + 1), batch_size=32, shuffle=True)
 fit = StraightLine()
-L.Trainer(accelerator="cpu", devices=1, max_epochs=60, logger=False, enable_checkpointing=False,
-          enable_progress_bar=False, enable_model_summary=False).fit(fit, points)
+L.Trainer(accelerator="cpu", devices=1, max_epochs=60, logger=False,
+          enable_checkpointing=False, enable_progress_bar=False,
+          enable_model_summary=False).fit(fit, points)
 w, b = fit.line.weight.item(), fit.line.bias.item()
 print(f"w = {w:.3f}, b = {b:.3f}")
 assert abs(w - 3) < 0.05 and abs(b - 1) < 0.05
@@ -206,7 +218,8 @@ ddp = stages.load("ddp")
 
 def side_by_side(left, right):
     """Two functions' source, left and right, as the book and JupyterLab show HTML."""
-    columns = "".join(f"<td style='vertical-align:top'><pre>{html.escape(inspect.getsource(f))}"
+    columns = "".join(f"<td style='vertical-align:top'><pre>"
+                      f"{html.escape(inspect.getsource(f))}"
                       "</pre></td>" for f in (left, right))
     display(HTML(f"<table><tr>{columns}</tr></table>"))
 
@@ -247,9 +260,11 @@ def cpu_trainer(devices, grad_accum, max_steps):
 
 # %% nbgrader={"grade": true, "grade_id": "trainer_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 trainer = cpu_trainer(2, 4, 50)
-assert (trainer.num_devices, trainer.accumulate_grad_batches, trainer.max_steps) == (2, 4, 50)
+assert (trainer.num_devices, trainer.accumulate_grad_batches,
+        trainer.max_steps) == (2, 4, 50)
 assert trainer.gradient_clip_val == 1.0 and trainer.logger is None
-assert type(trainer.strategy).__name__ == "DDPStrategy" and trainer.strategy._start_method == "fork"
+assert (type(trainer.strategy).__name__ == "DDPStrategy"
+        and trainer.strategy._start_method == "fork")
 ### BEGIN HIDDEN TESTS
 single = cpu_trainer(1, 1, 7)
 assert (single.num_devices, single.world_size, single.max_steps) == (1, 1, 7)
@@ -266,9 +281,11 @@ refusals = [["--devices", "3"]]
 if not torch.cuda.is_available():  # with GPUs, this would start a real FSDP run
     refusals.append(["--strategy", "fsdp", "--devices", "2"])
 for flags in refusals:
-    refused = subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny", "--data", str(DATA),
-                              "--out", str(RUNS / "refused"), *flags], capture_output=True, text=True)
-    print(f"$ python train_gpt2_lit.py {' '.join(flags)}\n  exit {refused.returncode}: {refused.stderr.strip()}")
+    refused = subprocess.run([sys.executable, str(SCRIPT), "--preset", "tiny", "--data",
+                              str(DATA), "--out", str(RUNS / "refused"), *flags],
+                             capture_output=True, text=True)
+    print(f"$ python train_gpt2_lit.py {' '.join(flags)}\n"
+          f"  exit {refused.returncode}: {refused.stderr.strip()}")
 
 # %% [markdown]
 # ## Inside a notebook: `ddp_notebook`; from a script: `ddp`
@@ -280,10 +297,13 @@ for flags in refusals:
 # arguments as a list, so the kernel can run it directly, on 2 processes:
 
 # %% tags=["demo"]
-DEVICE = "auto" if torch.cuda.device_count() >= 2 else "cpu"  # 2 GPUs, or 2 CPU processes
-RUN_PRESET = "small" if DEVICE == "auto" else "tiny"  # GPUs: a model that keeps them busy
-STEPS = ["--preset", RUN_PRESET, "--device", DEVICE, "--data", str(DATA), "--max-steps", "12",
-         "--eval-interval", "6", "--ckpt-interval", "6", "--sample-tokens", "0", "--devices", "2"]
+# 2 GPUs, or 2 CPU processes
+DEVICE = "auto" if torch.cuda.device_count() >= 2 else "cpu"
+# GPUs: a model that keeps them busy
+RUN_PRESET = "small" if DEVICE == "auto" else "tiny"
+STEPS = ["--preset", RUN_PRESET, "--device", DEVICE, "--data", str(DATA), "--max-steps",
+         "12", "--eval-interval", "6", "--ckpt-interval", "6", "--sample-tokens", "0",
+         "--devices", "2"]
 shutil.rmtree(RUNS / "notebook", ignore_errors=True)
 start = time.perf_counter()
 lit.main(STEPS + ["--strategy", "ddp_notebook", "--out", str(RUNS / "notebook")])
@@ -314,15 +334,19 @@ print(run_script("script").stdout)
 print(f"ddp from the script: {time.perf_counter() - start:.0f} s")
 
 # %% tags=["demo"]
-in_kernel, from_script = runs.read_metrics(RUNS / "notebook"), runs.read_metrics(RUNS / "script")
+in_kernel, from_script = (runs.read_metrics(RUNS / "notebook"),
+                          runs.read_metrics(RUNS / "script"))
 fig, ax = plt.subplots(figsize=(6, 3.5))
-ax.plot([r["step"] for r in in_kernel], [r["loss"] for r in in_kernel], label="ddp_notebook (kernel)")
-ax.plot([r["step"] for r in from_script], [r["loss"] for r in from_script], "--", label="ddp (script)")
+ax.plot([r["step"] for r in in_kernel], [r["loss"] for r in in_kernel],
+        label="ddp_notebook (kernel)")
+ax.plot([r["step"] for r in from_script], [r["loss"] for r in from_script], "--",
+        label="ddp (script)")
 ax.set_xlabel("step")
 ax.set_ylabel("training loss")
 ax.legend()
 plt.show()
-print(f"largest loss difference: {max(abs(a['loss'] - b['loss']) for a, b in zip(in_kernel, from_script)):.1e}")
+print(f"largest loss difference: "
+      f"{max(abs(a['loss'] - b['loss']) for a, b in zip(in_kernel, from_script)):.1e}")
 
 # %% [markdown]
 # ## Checkpoints and resuming
@@ -336,7 +360,8 @@ print(f"largest loss difference: {max(abs(a['loss'] - b['loss']) for a, b in zip
 checkpoint = torch.load(RUNS / "script" / "ckpt" / "last.ckpt", weights_only=True)
 print(sorted(checkpoint))
 print("step:", checkpoint["global_step"])
-print("data position:", checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"])
+print("data position:",
+      checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"])
 
 # %% [markdown]
 # Now a failure: the same run, killed without warning (as when a node dies) after step 8. Its
@@ -345,9 +370,12 @@ print("data position:", checkpoint["loops"]["fit_loop"]["state_dict"]["combined_
 
 # %% tags=["demo"]
 shutil.rmtree(RUNS / "killed", ignore_errors=True)
-job = subprocess.Popen([sys.executable, str(SCRIPT), *STEPS, "--out", str(RUNS / "killed")],
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ONE_THREAD,
-                       start_new_session=True)  # its own process group: both ranks die together
+job = subprocess.Popen([sys.executable, str(SCRIPT), *STEPS, "--out",
+                        str(RUNS / "killed")],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                       env=ONE_THREAD,
+                       # its own process group: both ranks die together
+                       start_new_session=True)
 while len(runs.read_metrics(RUNS / "killed")) < 8 and job.poll() is None:
     time.sleep(0.1)
 os.killpg(job.pid, signal.SIGKILL)
@@ -356,15 +384,19 @@ killed_at = runs.read_metrics(RUNS / "killed")[-1]["step"]
 last_checkpoint = (RUNS / "killed" / "ckpt" / "last.ckpt").resolve().name
 print(f"killed after step {killed_at}; last checkpoint {last_checkpoint}")
 resumed = run_script("killed", "--resume")
-print("\n".join(line for line in resumed.stdout.splitlines() if line.startswith("step")))
-same = [(r["step"], r["loss"], r.get("val_loss")) for r in runs.read_metrics(RUNS / "killed")] == \
-       [(r["step"], r["loss"], r.get("val_loss")) for r in from_script]
+print("\n".join(line for line in resumed.stdout.splitlines()
+                if line.startswith("step")))
+same = ([(r["step"], r["loss"], r.get("val_loss"))
+         for r in runs.read_metrics(RUNS / "killed")]
+        == [(r["step"], r["loss"], r.get("val_loss")) for r in from_script])
 print(f"resumed run identical to the uninterrupted one: {same}")
-# What this shows is checked too (the kit's tests run the lesson under nbval). On CPU the resumed
-# run is the uninterrupted one bit for bit; on GPUs, atomic adds in the backward pass (the
-# embedding's gradient) change the last bits of any run, so there the losses agree to 1e-4.
+# What this shows is checked too (the kit's tests run the lesson under nbval). On CPU
+# the resumed run is the uninterrupted one bit for bit; on GPUs, atomic adds in the
+# backward pass (the embedding's gradient) change the last bits of any run, so there the
+# losses agree to 1e-4.
 assert job.returncode == -signal.SIGKILL and 6 < killed_at < 12
-assert last_checkpoint == "step_00000006.ckpt" and resumed.stdout.count("step 7/12 ") == 1
+assert (last_checkpoint == "step_00000006.ckpt"
+        and resumed.stdout.count("step 7/12 ") == 1)
 assert "step 6/12 " not in resumed.stdout
 assert same or DEVICE != "cpu" and max(abs(a["loss"] - b["loss"]) for a, b in zip(
     runs.read_metrics(RUNS / "killed"), from_script, strict=True)) < 1e-4
@@ -398,12 +430,15 @@ from lightning.fabric.plugins.environments import SLURMEnvironment
 
 rank_5_of_8 = {"SLURM_NTASKS": "8", "SLURM_NTASKS_PER_NODE": "4", "SLURM_NNODES": "2",
                "SLURM_PROCID": "5", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
-               "SLURM_NODELIST": "gpu[017-018]", "SLURM_JOB_ID": "4242", "SLURM_JOB_NAME": "gpt2"}
+               "SLURM_NODELIST": "gpu[017-018]", "SLURM_JOB_ID": "4242",
+               "SLURM_JOB_NAME": "gpt2"}
 with mock.patch.dict(os.environ, rank_5_of_8):
     slurm = SLURMEnvironment()
-    print(f"detected: {SLURMEnvironment.detect()}; world size {slurm.world_size()}, global rank "
-          f"{slurm.global_rank()}, local rank {slurm.local_rank()}, node {slurm.node_rank()}, "
-          f"main address {slurm.main_address}:{slurm.main_port}, requeue on {slurm.requeue_signal!r}")
+    print(f"detected: {SLURMEnvironment.detect()}; world size {slurm.world_size()}, "
+          f"global rank {slurm.global_rank()}, local rank {slurm.local_rank()}, "
+          f"node {slurm.node_rank()}, "
+          f"main address {slurm.main_address}:{slurm.main_port}, "
+          f"requeue on {slurm.requeue_signal!r}")
 
 # %% [markdown]
 # **Exercise 4.** Write `trainer_shape(sbatch)`: from a dictionary of a batch file's `#SBATCH`

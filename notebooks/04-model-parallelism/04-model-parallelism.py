@@ -43,15 +43,6 @@
 # made.
 
 # %%
-import ctypes
-import ctypes.util
-import gc
-import json
-import shutil
-import subprocess
-import time
-from pathlib import Path
-
 import matplotlib.pyplot as plt
 import psutil
 import torch
@@ -61,17 +52,34 @@ from coursekit import KIT_ROOT, data, diffs, memory, presets, runs, stages, widg
 from coursekit.launch import torchrun
 from solutions import gpt
 
+# %% [markdown]
+# The set-up: the standard library's modules the lesson uses, the offline corpus, the model
+# sizes of the tiny preset and of GPT-2 124M, and your working copies of the scripts.
+
+# %%
+import ctypes
+import ctypes.util
+import gc
+import json
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
 DATA = KIT_ROOT / "data" / "builtin"
 if not (DATA / "meta.json").exists():  # the offline corpus: built in seconds, once
     data.prepare_builtin(DATA)
 tiny = presets.get_preset("tiny")
-TINY, GPT2 = memory.Model.from_preset(tiny), memory.Model.from_preset(presets.get_preset("gpt2-124m"))
+TINY, GPT2 = (memory.Model.from_preset(tiny),
+              memory.Model.from_preset(presets.get_preset("gpt2-124m")))
 GPUS = torch.cuda.device_count()
 print(f"torch {torch.__version__}; GPUs visible: {GPUS}")
 LESSON = "04-model-parallelism"
-# your working copies, next to this notebook and handed in with it: one per diff of the lesson
+# your working copies, next to this notebook and handed in with it: one per diff of the
+# lesson
 FSDP_COPY, TP_COPY, PP_COPY = (Path(name).resolve() for name in
-                               ("train_gpt2.py", "train_gpt2_tp.py", "train_gpt2_pp.py"))
+                               ("train_gpt2.py", "train_gpt2_tp.py",
+                                "train_gpt2_pp.py"))
 
 # %% [markdown]
 # ## When one GPU is not enough
@@ -124,12 +132,16 @@ FSDP_COPY, TP_COPY, PP_COPY = (Path(name).resolve() for name in
 # model-parallel split makes it smaller.
 
 # %%
-for name, model in (("tiny", TINY), ("GPT-2 124M", GPT2), ("GPT-2 1.5B", widgets.MODELS["GPT-2 1.5B"]),
+for name, model in (("tiny", TINY), ("GPT-2 124M", GPT2),
+                    ("GPT-2 1.5B", widgets.MODELS["GPT-2 1.5B"]),
                     ("7B shape", widgets.MODELS["7B shape"])):
-    ddp = memory.per_rank_bytes(model, "ddp", 1, "bf16-mixed", micro_batch=8, seq_len=1024)
+    ddp = memory.per_rank_bytes(model, "ddp", 1, "bf16-mixed", micro_batch=8,
+                                seq_len=1024)
     states = ddp["params"] + ddp["grads"] + ddp["optimizer"]
-    print(f"{name:11s} {model.parameters / 1e9:6.2f} B parameters: params + grads + Adam "
-          f"{states / 1e9:7.1f} GB, activations (8 x 1024 tokens) {ddp['activations'] / 1e9:6.1f} GB")
+    print(f"{name:11s} {model.parameters / 1e9:6.2f} B parameters: "
+          f"params + grads + Adam "
+          f"{states / 1e9:7.1f} GB, activations (8 x 1024 tokens) "
+          f"{ddp['activations'] / 1e9:6.1f} GB")
 
 # %% [markdown]
 # ## What each strategy splits, and what it sends
@@ -157,7 +169,8 @@ for name, model in (("tiny", TINY), ("GPT-2 124M", GPT2), ("GPT-2 1.5B", widgets
 # %% tags=["demo"]
 for ranks in (1, 2, 4):
     held = {strategy: memory.per_rank_bytes(GPT2, strategy, ranks, "bf16-mixed", 8,
-                                            1024)["activations"] for strategy in ("fsdp", "tp")}
+                                            1024)["activations"]
+            for strategy in ("fsdp", "tp")}
     held["pp, first stage"] = memory.pipeline_stage_bytes(GPT2, ranks, "bf16-mixed", 8,
                                                           1024)[0]["activations"]
     print(f"{ranks} ranks, activations per rank: "
@@ -183,18 +196,25 @@ def bytes_per_rank(n_params, strategy, world_size):
 
 
 # %% nbgrader={"grade": true, "grade_id": "zero_bytes_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-assert bytes_per_rank(1000, "ddp", 4) == {"params": 4000, "grads": 4000, "optimizer": 8000}
-assert bytes_per_rank(1000, "fsdp", 4) == {"params": 1000, "grads": 1000, "optimizer": 2000}
+assert bytes_per_rank(1000, "ddp", 4) == {"params": 4000, "grads": 4000,
+                                          "optimizer": 8000}
+assert bytes_per_rank(1000, "fsdp", 4) == {"params": 1000, "grads": 1000,
+                                           "optimizer": 2000}
 ### BEGIN HIDDEN TESTS
 from coursekit import exercise
 
-expected = {strategy: memory.per_rank_bytes(GPT2, strategy, 16) for strategy in memory.DATA_PARALLEL}
-with exercise.own_work(memory.per_rank_bytes, memory.data_parallel_bytes, memory.replicated_bytes):
-    assert bytes_per_rank(1000, "zero1", 8) == {"params": 4000, "grads": 4000, "optimizer": 1000}
-    assert bytes_per_rank(1000, "zero2", 2) == {"params": 4000, "grads": 2000, "optimizer": 4000}
+expected = {strategy: memory.per_rank_bytes(GPT2, strategy, 16)
+            for strategy in memory.DATA_PARALLEL}
+with exercise.own_work(memory.per_rank_bytes, memory.data_parallel_bytes,
+                       memory.replicated_bytes):
+    assert bytes_per_rank(1000, "zero1", 8) == {"params": 4000,
+                                                "grads": 4000, "optimizer": 1000}
+    assert bytes_per_rank(1000, "zero2", 2) == {"params": 4000,
+                                                "grads": 2000, "optimizer": 4000}
     for strategy in memory.DATA_PARALLEL:
         got = bytes_per_rank(GPT2.parameters, strategy, 16)
-        assert all(abs(got[part] - expected[strategy][part]) < 1e-3 for part in got), strategy
+        assert all(abs(got[part] - expected[strategy][part]) < 1e-3
+                   for part in got), strategy
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -231,10 +251,12 @@ def smallest_world_size(model, strategy, device_gb, micro_batch, seq_len):
 # %% nbgrader={"grade": true, "grade_id": "smallest_world_tests", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
 assert smallest_world_size(GPT2, "fsdp", 80, 8, 1024) == 1
 seven_b = widgets.MODELS["7B shape"]
-assert smallest_world_size(seven_b, "ddp", 80, 1, 4096) is None  # DDP never splits the model
+# DDP never splits the model
+assert smallest_world_size(seven_b, "ddp", 80, 1, 4096) is None
 ### BEGIN HIDDEN TESTS
 assert smallest_world_size(seven_b, "fsdp", 80, 1, 4096) == 3
-assert smallest_world_size(seven_b, "fsdp", 40, 1, 4096) == 9  # activations do not shrink
+# activations do not shrink
+assert smallest_world_size(seven_b, "fsdp", 40, 1, 4096) == 9
 assert smallest_world_size(seven_b, "tp", 40, 1, 4096) == 5  # activations split too
 assert smallest_world_size(seven_b, "pp", 40, 1, 4096) == 11
 assert smallest_world_size(widgets.MODELS["70B shape"], "pp", 40, 1, 4096) is None
@@ -304,23 +326,24 @@ print(diffs.report(LESSON, diffs.status(LESSON, FSDP_COPY)))
 RUNS = Path("runs")
 
 
-# With 4 GPUs, every run below trains on GPUs, the small model (the tiny one would leave them
-# idle); with fewer, CPU processes train the tiny one, so that all runs compare alike.
+# With 4 GPUs, every run below trains on GPUs, the small model (the tiny one would leave
+# them idle); with fewer, CPU processes train the tiny one, so that all runs compare
+# alike.
 RUN_PRESET = "small" if GPUS >= 4 else "tiny"
 RUN_MODEL = memory.Model.from_preset(presets.get_preset(RUN_PRESET))
 
 
 def launch(stage, processes, name, *flags, steps=6, preset=RUN_PRESET):
-    """Run a stage script on `processes` processes (GPUs if there are enough, else CPU ones) and
-    return (metrics, the per-rank memory report or None)."""
+    """Run a stage script on `processes` processes (GPUs if there are enough, else CPU
+    ones) and return (metrics, the per-rank memory report or None)."""
     out = RUNS / name
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each time the cell runs
     device = "auto" if GPUS >= processes else "cpu"
     script = KIT_ROOT / "solutions" / f"train_gpt2_{stage}.py"
     command = [*torchrun(processes), str(script), "--preset", preset,
                "--device", device, "--data", str(DATA), "--out", str(out),
-               "--max-steps", str(steps), "--eval-interval", str(steps), "--sample-tokens", "0",
-               *map(str, flags)]
+               "--max-steps", str(steps), "--eval-interval", str(steps),
+               "--sample-tokens", "0", *map(str, flags)]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
@@ -329,12 +352,13 @@ def launch(stage, processes, name, *flags, steps=6, preset=RUN_PRESET):
 
 
 ddp_run, _ = launch("ddp", 2, "ddp-2")
-fsdp_runs = {n: launch("fsdp", n, f"fsdp-{n}", *(["--micro-batch", 1] if n == 4 else []))
+fsdp_runs = {n: launch("fsdp", n, f"fsdp-{n}",
+                       *(["--micro-batch", 1] if n == 4 else []))
              for n in (2, 4)}
 for n, (metrics, _) in fsdp_runs.items():
     gap = max(abs(a["loss"] - b["loss"]) for a, b in zip(metrics, ddp_run))
-    print(f"fsdp on {n} processes: largest loss difference from ddp on 2 over {len(metrics)} "
-          f"steps: {gap:.1e}")
+    print(f"fsdp on {n} processes: largest loss difference from ddp on 2 over "
+          f"{len(metrics)} steps: {gap:.1e}")
 
 # %% [markdown]
 # Now the prediction against the measurement. `coursekit.memory` predicts each rank's bytes from
@@ -342,7 +366,8 @@ for n, (metrics, _) in fsdp_runs.items():
 
 # %% tags=["demo"]
 MiB = 2**20
-rows = ["| processes | part | predicted MiB per rank | measured MiB (each rank) |", "|---|---|---|---|"]
+rows = ["| processes | part | predicted MiB per rank | measured MiB (each rank) |",
+        "|---|---|---|---|"]
 for n, (_, reports) in fsdp_runs.items():
     predicted = memory.per_rank_bytes(RUN_MODEL, "fsdp", n)
     for part in ("params", "grads", "optimizer"):
@@ -379,14 +404,16 @@ fsdp = stages.load("fsdp")  # the stage script, for its apply_activation_checkpo
 small = presets.get_preset("small")
 SMALL = memory.Model.from_preset(small)
 device = torch.device("cuda" if GPUS else "cpu")
-release_freed_memory = getattr(ctypes.CDLL(ctypes.util.find_library("c")), "malloc_trim", None)
+release_freed_memory = getattr(ctypes.CDLL(ctypes.util.find_library("c")),
+                               "malloc_trim", None)
 
 
 def memory_in_use():
     gc.collect()
     if device.type == "cuda":
         return torch.cuda.memory_allocated()
-    if release_freed_memory:  # glibc keeps freed pages; give them back so RSS counts live tensors
+    # glibc keeps freed pages; give them back so RSS counts live tensors
+    if release_freed_memory:
         release_freed_memory(0)
     return psutil.Process().memory_info().rss
 
@@ -403,7 +430,8 @@ def activations_and_time(checkpointing, micro_batch=MICRO_BATCH):
     if checkpointing:
         fsdp.apply_activation_checkpointing(model)
     x = torch.randint(0, data.EOT_TOKEN, (micro_batch, small.seq_len), device=device)
-    gpt.cross_entropy(model(x), x).backward()  # a first pass allocates gradients, warms up
+    # a first pass allocates gradients, warms up
+    gpt.cross_entropy(model(x), x).backward()
     before = memory_in_use()
     start = time.perf_counter()
     loss = gpt.cross_entropy(model(x), x)
@@ -415,13 +443,16 @@ def activations_and_time(checkpointing, micro_batch=MICRO_BATCH):
 trade = {}
 for checkpointing in (False, True):
     held, seconds = activations_and_time(checkpointing)
-    predicted = memory.activation_bytes(SMALL, MICRO_BATCH, small.seq_len, "fp32", checkpointing)
+    predicted = memory.activation_bytes(SMALL, MICRO_BATCH, small.seq_len, "fp32",
+                                        checkpointing)
     trade[checkpointing] = (held, seconds)
-    print(f"{'checkpointing' if checkpointing else 'plain':14s} forward keeps {held / MiB:5.0f} MiB "
+    print(f"{'checkpointing' if checkpointing else 'plain':14s} "
+          f"forward keeps {held / MiB:5.0f} MiB "
           f"(predicted {predicted / MiB:5.0f} MiB, {predicted / held - 1:+.0%}) | "
           f"forward + backward {seconds * 1000:5.0f} ms")
 (plain_held, plain_s), (ckpt_held, ckpt_s) = trade.values()
-print(f"checkpointing: {ckpt_s / plain_s:.2f}x the time for {1 - ckpt_held / plain_held:.0%} "
+print(f"checkpointing: {ckpt_s / plain_s:.2f}x the time for "
+      f"{1 - ckpt_held / plain_held:.0%} "
       f"less activation memory")
 
 # %% [markdown]
@@ -489,7 +520,8 @@ print(f"tp on 2 processes: largest loss difference from ddp over {len(tp_run)} s
       f"{max(abs(a['loss'] - b['loss']) for a, b in zip(tp_run, ddp_run)):.1e}")
 predicted = 4 * RUN_MODEL.tensor_parallel_parameters(2)
 measured = ", ".join(f"{r['params'] / MiB:.2f}" for r in tp_reports)
-print(f"parameters per rank: predicted {predicted / MiB:.2f} MiB, measured {measured} MiB")
+print(f"parameters per rank: predicted {predicted / MiB:.2f} MiB, "
+      f"measured {measured} MiB")
 
 # %% [markdown]
 # ## Pipeline parallelism and its bubble
@@ -582,9 +614,11 @@ print(diffs.report(LESSON, diffs.status(LESSON, pp_copy, stage="pp")).splitlines
 
 # %% tags=["demo"]
 pp_run, pp_reports = launch("pp", 2, "pp-2", "--schedule", "1f1b")
-print(f"pp on 2 processes (1F1B): largest loss difference from ddp over {len(pp_run)} steps: "
+print(f"pp on 2 processes (1F1B): largest loss difference from ddp over "
+      f"{len(pp_run)} steps: "
       f"{max(abs(a['loss'] - b['loss']) for a, b in zip(pp_run, ddp_run)):.1e}")
-for rank, (report, n) in enumerate(zip(pp_reports, RUN_MODEL.pipeline_stage_parameters(2))):
+for rank, (report, n) in enumerate(zip(pp_reports,
+                                       RUN_MODEL.pipeline_stage_parameters(2))):
     print(f"stage {rank}: parameters predicted {4 * n / MiB:.2f} MiB, measured "
           f"{report['params'] / MiB:.2f} MiB")
 
@@ -604,7 +638,8 @@ for rank, (report, n) in enumerate(zip(pp_reports, RUN_MODEL.pipeline_stage_para
 # fraction is what is left: $1 - (t_1 / 2) / t_2$.
 
 # %% tags=["demo"]
-DEMO = KIT_ROOT / "notebooks" / "04-model-parallelism" / "bubble_demo.py"  # from any working folder
+# from any working folder
+DEMO = KIT_ROOT / "notebooks" / "04-model-parallelism" / "bubble_demo.py"
 MICROBATCHES = [1, 2, 4, 8, 16]
 STAGES = 2
 
@@ -618,18 +653,22 @@ def demo_step_ms(processes):
 
 
 one, two = demo_step_ms(1), demo_step_ms(STAGES)
-bubble = {m: (bubble_fraction(STAGES, m), 1 - (one[m] / STAGES) / two[m]) for m in MICROBATCHES}
+bubble = {m: (bubble_fraction(STAGES, m), 1 - (one[m] / STAGES) / two[m])
+          for m in MICROBATCHES}
 for m, (predicted, measured) in bubble.items():
-    print(f"m = {m:2d}: one stage {one[m]:5.0f} ms, two stages {two[m]:5.0f} ms -> bubble "
-          f"predicted {predicted:.2f}, measured {measured:.2f}")
+    print(f"m = {m:2d}: one stage {one[m]:5.0f} ms, two stages {two[m]:5.0f} ms -> "
+          f"bubble predicted {predicted:.2f}, measured {measured:.2f}")
 least = min(MICROBATCHES, key=lambda m: bubble[m][1])
-print(f"with one microbatch the measurement is {abs(bubble[1][1] - bubble[1][0]):.2f} from the "
-      f"prediction; the idle time is least at m = {least}"
-      + (f" and grows again up to m = {MICROBATCHES[-1]}" if least < MICROBATCHES[-1] else ""))
+print(f"with one microbatch the measurement is {abs(bubble[1][1] - bubble[1][0]):.2f} "
+      f"from the prediction; the idle time is least at m = {least}"
+      + (f" and grows again up to m = {MICROBATCHES[-1]}"
+         if least < MICROBATCHES[-1] else ""))
 
 fig, ax = plt.subplots(figsize=(6, 3.5))
-ax.plot(MICROBATCHES, [bubble[m][0] for m in MICROBATCHES], "o-", label="predicted (p-1)/(m+p-1)")
-ax.plot(MICROBATCHES, [bubble[m][1] for m in MICROBATCHES], "s--", label="measured 1 - (t1/p)/tp")
+ax.plot(MICROBATCHES, [bubble[m][0] for m in MICROBATCHES], "o-",
+        label="predicted (p-1)/(m+p-1)")
+ax.plot(MICROBATCHES, [bubble[m][1] for m in MICROBATCHES], "s--",
+        label="measured 1 - (t1/p)/tp")
 ax.set_xscale("log", base=2)
 ax.set_xlabel("microbatches m")
 ax.set_ylabel("idle fraction")
@@ -683,11 +722,13 @@ plt.show()
 # finished stage.
 
 # %% nbgrader={"grade": false, "grade_id": "conversions", "locked": false, "schema_version": 3, "solution": true, "task": false}
-# Your work for this exercise is in train_gpt2.py, train_gpt2_tp.py and train_gpt2_pp.py.
+# Your work for this exercise is in train_gpt2.py, train_gpt2_tp.py and
+# train_gpt2_pp.py.
 ### BEGIN SOLUTION
 for stage, copy in (("fsdp", FSDP_COPY), ("tp", TP_COPY), ("pp", PP_COPY)):
     diffs.start_working_copy(LESSON, copy, stage=stage)
-    for found in diffs.status(LESSON, copy, stage=stage):  # the work in the editor, done here
+    # the work in the editor, done here
+    for found in diffs.status(LESSON, copy, stage=stage):
         if found.state == "not yet applied":
             diffs.apply_hunk(LESSON, found.hunk.number, copy, stage=stage)
 ### END SOLUTION
@@ -696,15 +737,17 @@ for stage, copy in (("fsdp", FSDP_COPY), ("tp", TP_COPY), ("pp", PP_COPY)):
 for stage, copy in (("fsdp", FSDP_COPY), ("tp", TP_COPY), ("pp", PP_COPY)):
     statuses = diffs.status(LESSON, copy, stage=stage)
     print(diffs.report(LESSON, statuses).splitlines()[-1], f"({copy.name})")
-    assert all(found.state == "applied" for found in statuses), f"{copy.name}: see the report"
+    assert all(found.state == "applied" for found in statuses), \
+        f"{copy.name}: see the report"
 ### BEGIN HIDDEN TESTS
 from coursekit import exercise  # noqa: E402
 
 for stage, copy in (("fsdp", FSDP_COPY), ("tp", TP_COPY), ("pp", PP_COPY)):
-    yours, solution = exercise.conversion_losses(stages.load_script(copy, f"trainee_{stage}"),
-                                                 stages.load(stage), DATA,
-                                                 Path("runs") / f"conversion-{stage}")
-    assert len(yours) == 4 and all(abs(a - b) <= 1e-6 for a, b in zip(yours, solution)), stage
+    yours, solution = exercise.conversion_losses(
+        stages.load_script(copy, f"trainee_{stage}"), stages.load(stage), DATA,
+        Path("runs") / f"conversion-{stage}")
+    assert len(yours) == 4 and all(abs(a - b) <= 1e-6
+                                   for a, b in zip(yours, solution)), stage
 ### END HIDDEN TESTS
 
 # %% [markdown]

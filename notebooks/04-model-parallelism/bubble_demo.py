@@ -2,11 +2,12 @@
 
     python -m coursekit torchrun --nproc 2 bubble_demo.py 1 2 4 8 [--schedule 1f1b]
 
-A stack of identical layers is cut into one stage per process, so that every stage does the same
-work (GPT-2's output head would make the last stage the slowest, which is imbalance, not bubble).
-For each number of microbatches on the command line, rank 0 prints one JSON line with the median
-time of a training step (GPipe by default; 1F1B needs at least as many microbatches as stages). Every process computes with one thread, so that one process and
-one stage per core can be compared.
+A stack of identical layers is cut into one stage per process, so that every stage does
+the same work (GPT-2's output head would make the last stage the slowest, which is
+imbalance, not bubble). For each number of microbatches on the command line, rank 0
+prints one JSON line with the median time of a training step (GPipe by default; 1F1B
+needs at least as many microbatches as stages). Every process computes with one thread,
+so that one process and one stage per core can be compared.
 """
 import argparse
 import json
@@ -24,7 +25,8 @@ SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
 
 def stage_module(rank, stages):
-    """This rank's run of consecutive layers, the same weights whatever the number of stages."""
+    """This rank's run of consecutive layers, the same weights whatever the number of
+    stages."""
     torch.manual_seed(0)
     layers = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.GELU()) for _ in range(LAYERS)]
     per_stage = LAYERS // stages
@@ -32,7 +34,8 @@ def stage_module(rank, stages):
 
 
 def step_time(schedule, rank, stages, x, y):
-    """Seconds of one training step, every stage done (the barrier waits for the last)."""
+    """Seconds of one training step, every stage done (the barrier waits for the
+    last)."""
     start = time.perf_counter()
     if stages == 1:
         schedule.step(x, target=y)
@@ -58,8 +61,10 @@ def main(microbatch_counts, schedule_name):
                                             loss_fn=nn.functional.mse_loss)
         times = [step_time(schedule, rank, stages, x, y) for _ in range(WARMUP + TIMED)]
         if rank == 0:
-            print(json.dumps({"stages": stages, "schedule": schedule_name, "microbatches": m,
-                              "step_ms": 1000 * statistics.median(times[WARMUP:])}), flush=True)
+            print(json.dumps({"stages": stages, "schedule": schedule_name,
+                              "microbatches": m,
+                              "step_ms": 1000 * statistics.median(times[WARMUP:])}),
+                  flush=True)
     dist.destroy_process_group()
 
 

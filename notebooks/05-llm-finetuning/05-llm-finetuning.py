@@ -40,17 +40,7 @@
 # The time is an estimate; the instructor guide says how it is made.
 
 # %%
-import copy
-import json
-import os
-import shutil
-import socket
-import subprocess
 import sys
-import warnings
-from collections import OrderedDict
-from pathlib import Path
-from types import SimpleNamespace
 
 import matplotlib.pyplot as plt
 import torch
@@ -62,35 +52,56 @@ from transformers.utils import logging as transformers_logging
 from coursekit import KIT_ROOT, data, instruct, runs
 
 sys.path.insert(0, str(KIT_ROOT / "solutions"))
-import finetune_lora  # noqa: E402  (the lora stage: its template, tokenisation and LoRA set-up)
+# the lora stage: its template, tokenisation and LoRA set-up
+import finetune_lora  # noqa: E402
 
-MODEL = KIT_ROOT / "models" / "kit-tiny"  # lesson 01's tiny GPT, pretrained, in Hugging Face format
+# %% [markdown]
+# The set-up: the other modules of the standard library the lesson uses, the base model and
+# the instruction tasks (each built once), quieter libraries, and the lesson's one knob.
+
+# %%
+import copy
+import json
+import os
+import shutil
+import socket
+import subprocess
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+from types import SimpleNamespace
+
+# lesson 01's tiny GPT, pretrained, in Hugging Face format
+MODEL = KIT_ROOT / "models" / "kit-tiny"
 TASKS = KIT_ROOT / "data" / "instruct"  # the offline instruction tasks
 if not (TASKS / "meta.json").exists():  # built in a second, once (as `make book` does)
     instruct.prepare(TASKS)
-if not (MODEL / "config.json").exists():  # a few minutes, once: pretrain and export (`make book`)
+# a few minutes, once: pretrain and export (`make book`)
+if not (MODEL / "config.json").exists():
     corpus = KIT_ROOT / "data" / "builtin"
     if not (corpus / "meta.json").exists():
         data.prepare_builtin(corpus)
     base_run = KIT_ROOT / "runs" / "base-tiny"
-    for command in (["solutions/train_gpt2_std.py", "--preset", "tiny", "--data", corpus, "--out",
-                     base_run, "--sample-tokens", 0, "--resume"],
-                    ["-m", "coursekit", "export-hf", base_run, MODEL, "--force", "--untie"]):
+    for command in (["solutions/train_gpt2_std.py", "--preset", "tiny", "--data",
+                     corpus, "--out", base_run, "--sample-tokens", 0, "--resume"],
+                    ["-m", "coursekit", "export-hf", base_run, MODEL, "--force",
+                     "--untie"]):
         result = subprocess.run([sys.executable, *map(str, command)], cwd=KIT_ROOT,
                                 capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"building {MODEL} failed:\n{result.stderr[-3000:]}")
-# Notes on stderr would clutter the lesson, and nbgrader scores a test cell that writes to stderr
-# as failed: drop transformers' deprecation notes and loading bars, and PEFT's note that it
-# handles GPT-2's Conv1D layers (weights stored transposed) differently from nn.Linear ones.
+# Notes on stderr would clutter the lesson, and nbgrader scores a test cell that writes
+# to stderr as failed: drop transformers' deprecation notes and loading bars, and PEFT's
+# note that it handles GPT-2's Conv1D layers (weights stored transposed) differently
+# from nn.Linear ones.
 warnings.filterwarnings("ignore", category=FutureWarning)
 warnings.filterwarnings("ignore", message="fan_in_fan_out is set to")
 transformers_logging.disable_progress_bar()
 print(f"torch {torch.__version__}; base model {MODEL.relative_to(KIT_ROOT)}; "
       f"tasks {TASKS.relative_to(KIT_ROOT)}")
-# Evaluation length, the one knob of this lesson: on a laptop's CPU the fine-tuning run checks
-# its answers less often and on fewer examples (same training); a GPU does the longer checks as
-# quickly. Set it to True or False to choose.
+# Evaluation length, the one knob of this lesson: on a laptop's CPU the fine-tuning run
+# checks its answers less often and on fewer examples (same training); a GPU does the
+# longer checks as quickly. Set it to True or False to choose.
 LONGER_RUNS = torch.cuda.is_available()
 
 # %% [markdown]
@@ -134,13 +145,16 @@ torch.manual_seed(0)
 frozen = torch.nn.Linear(16, 12)
 # PEFT adapts a model in place: give it a copy, so `frozen` stays the plain layer
 peft_net = get_peft_model(torch.nn.Sequential(OrderedDict(proj=copy.deepcopy(frozen))),
-                          LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["proj"]))
+                          LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                     target_modules=["proj"]))
 layer = peft_net.base_model.model.proj
 x = torch.randn(5, 16)
 print(f"lora_A {tuple(layer.lora_A['default'].weight.shape)}, lora_B "
-      f"{tuple(layer.lora_B['default'].weight.shape)}, scale alpha/r = {layer.scaling['default']}")
+      f"{tuple(layer.lora_B['default'].weight.shape)}, "
+      f"scale alpha/r = {layer.scaling['default']}")
 print(f"B is zero at the start: {bool((layer.lora_B['default'].weight == 0).all())}; "
-      f"largest difference from the frozen layer: {(layer(x) - frozen(x)).abs().max():.1e}")
+      f"largest difference from the frozen layer: "
+      f"{(layer(x) - frozen(x)).abs().max():.1e}")
 peft_net.print_trainable_parameters()
 
 # %% [markdown]
@@ -158,7 +172,8 @@ def lora_linear(x, linear, A, B, alpha, r):
 
 # %%
 def peft_layer_with(linear, A, B, alpha):
-    """PEFT's LoRA layer around a copy of `linear`, with A and B set to the given matrices."""
+    """PEFT's LoRA layer around a copy of `linear`, with A and B set to the given
+    matrices."""
     net = get_peft_model(torch.nn.Sequential(OrderedDict(proj=copy.deepcopy(linear))),
                          LoraConfig(r=A.shape[0], lora_alpha=alpha, lora_dropout=0.0,
                                     target_modules=["proj"]))
@@ -183,7 +198,8 @@ with torch.no_grad():
     A1, B1, x1 = torch.randn(1, 32), torch.randn(7, 1), torch.randn(3, 32)
     expected = peft_layer_with(wide, A1, B1, 16)(x1)
     assert (lora_linear(x1, wide, A1, B1, 16, 1) - expected).abs().max() < 1e-5
-    assert torch.equal(lora_linear(x1, wide, A1, torch.zeros(7, 1), 16, 1), wide(x1))  # B = 0
+    assert torch.equal(lora_linear(x1, wide, A1, torch.zeros(7, 1), 16, 1),
+                       wide(x1))  # B = 0
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -228,8 +244,8 @@ def lora_parameters(shapes, r):
 
 # %%
 def peft_count(config, r):
-    """(trainable, total) parameters of GPT-2 with `config` and LoRA of rank r on its blocks'
-    linear layers, set up by the lora stage's add_lora."""
+    """(trainable, total) parameters of GPT-2 with `config` and LoRA of rank r on its
+    blocks' linear layers, set up by the lora stage's add_lora."""
     with torch.device("meta"):  # shapes only
         model = GPT2LMHeadModel(config)
     options = SimpleNamespace(lora_r=r, lora_alpha=2 * r, lora_dropout=0.0,
@@ -239,14 +255,16 @@ def peft_count(config, r):
 
 GPT2_124M = GPT2Config()  # the hub's GPT-2 small: 12 blocks, 768 wide
 trainable, total = peft_count(GPT2_124M, 8)
-print(f"GPT-2 124M with LoRA r = 8: {trainable:,} trainable of {total:,} ({trainable / total:.2%})")
+print(f"GPT-2 124M with LoRA r = 8: {trainable:,} trainable of {total:,} "
+      f"({trainable / total:.2%})")
 
 # %% nbgrader={"grade": true, "grade_id": "lora_count_tests", "locked": true, "points": 1, "schema_version": 3, "solution": false, "task": false}
 assert lora_parameters([(768, 2304)], 8) == 8 * (768 + 2304)
 ### BEGIN HIDDEN TESTS
-# the blocks' matrices written out here, so that this cell does not depend on Exercise 2's first
-# function
-for config, r in ((GPT2_124M, 8), (GPT2_124M, 16), (GPT2Config(n_layer=2, n_embd=128, n_head=4), 3)):
+# the blocks' matrices written out here, so that this cell does not depend on Exercise
+# 2's first function
+for config, r in ((GPT2_124M, 8), (GPT2_124M, 16),
+                  (GPT2Config(n_layer=2, n_embd=128, n_head=4), 3)):
     d = config.n_embd
     shapes = [(d, 3 * d), (d, d), (d, 4 * d), (4 * d, d)] * config.n_layer
     assert lora_parameters(shapes, r) == peft_count(config, r)[0]
@@ -276,8 +294,8 @@ assert lora_parameters([], 8) == 0
 
 # %% tags=["demo"]
 def finetune_bytes_per_gpu(n_params, n_trainable, strategy, world_size):
-    """fp32 bytes of weights, gradients and Adam states on one of ``world_size`` GPUs, for a
-    model of ``n_params`` parameters of which ``n_trainable`` train."""
+    """fp32 bytes of weights, gradients and Adam states on one of ``world_size`` GPUs,
+    for a model of ``n_params`` parameters of which ``n_trainable`` train."""
     weights_split = strategy == "zero3"
     training_split = strategy in ("zero2", "zero3")
     return {"params": 4 * n_params / (world_size if weights_split else 1),
@@ -286,7 +304,8 @@ def finetune_bytes_per_gpu(n_params, n_trainable, strategy, world_size):
 
 
 def llama_adapted_shapes(n_layer=32, d=4096, hidden=11008):
-    """q, k, v, o projections, then the MLP's gate, up and down projections, in every block."""
+    """q, k, v, o projections, then the MLP's gate, up and down projections, in every
+    block."""
     return ([(d, d)] * 4 + [(d, hidden), (d, hidden), (hidden, d)]) * n_layer
 
 
@@ -296,9 +315,12 @@ shapes = {"GPT-2 124M": (total - trainable, gpt2_adapted_shapes(12, 768)),
 rows = ["| model | method | trainable | 1 GPU | ZeRO-2, 8 GPUs | ZeRO-3, 8 GPUs |",
         "|---|---|---|---|---|---|"]
 for name, (n_params, adapted) in shapes.items():
-    for method, n_trainable in (("full", n_params), ("LoRA r=16", lora_parameters(adapted, 16))):
-        n_all = n_params if method == "full" else n_params + n_trainable  # adapters are extra
-        gb = [sum(finetune_bytes_per_gpu(n_all, n_trainable, strategy, n).values()) / 1e9
+    for method, n_trainable in (("full", n_params),
+                                ("LoRA r=16", lora_parameters(adapted, 16))):
+        # adapters are extra
+        n_all = n_params if method == "full" else n_params + n_trainable
+        gb = [sum(finetune_bytes_per_gpu(n_all, n_trainable, strategy, n).values())
+              / 1e9
               for strategy, n in (("ddp", 1), ("zero2", 8), ("zero3", 8))]
         rows.append(f"| {name} | {method} | {n_trainable / 1e6:,.1f} M | "
                     + " | ".join(f"{g:,.1f} GB" for g in gb) + " |")
@@ -325,7 +347,8 @@ display(Markdown("\n".join(rows)))
 # %% tags=["demo"]
 train, val = instruct.load_splits(str(TASKS))
 example = train[0]
-print(f"{len(train):,} training and {len(val):,} validation examples; the first:\n{example}\n")
+print(f"{len(train):,} training and {len(val):,} validation examples; "
+      f"the first:\n{example}\n")
 print(finetune_lora.format_prompt(example) + example["output"])
 
 # %% [markdown]
@@ -344,8 +367,8 @@ for position, (token, label) in enumerate(zip(tokens["input_ids"], tokens["label
         print(f"{position:8d}  {tokenizer.decode([token])!r:24s}  "
               f"{'-100 (ignored)' if label == -100 else tokenizer.decode([label])!r}")
 answer_tokens = sum(label != -100 for label in tokens["labels"])
-print(f"{answer_tokens} of {len(tokens['labels'])} tokens count in the loss (the middle of the "
-      "prompt is not shown)")
+print(f"{answer_tokens} of {len(tokens['labels'])} tokens count in the loss "
+      "(the middle of the prompt is not shown)")
 
 # %% [markdown]
 # ## Fine-tuning the tiny model on one process
@@ -370,7 +393,8 @@ print(f"{answer_tokens} of {len(tokens['labels'])} tokens count in the loss (the
 # below is read from its run directory.
 
 # %% tags=["demo"]
-ACCELERATE = str(Path(sys.executable).parent / "accelerate")  # installed next to this kernel
+# installed next to this kernel
+ACCELERATE = str(Path(sys.executable).parent / "accelerate")
 RUNS = Path("runs")
 
 
@@ -382,28 +406,33 @@ def free_port():
 
 
 def finetune(config, name, *flags, env=None):
-    """`accelerate launch` the lora stage with solutions/accelerate/<config>.yaml; return the
-    run directory and the script's output."""
+    """`accelerate launch` the lora stage with solutions/accelerate/<config>.yaml;
+    return the run directory and the script's output."""
     out = RUNS / name
     shutil.rmtree(out, ignore_errors=True)  # a fresh run each time the cell runs
     command = [ACCELERATE, "launch", "--config_file",
                KIT_ROOT / "solutions" / "accelerate" / f"{config}.yaml",
-               "--main_process_port", free_port(), KIT_ROOT / "solutions" / "finetune_lora.py",
-               "--preset", "tiny", "--model", MODEL, "--data", TASKS, "--out", out, *flags]
+               "--main_process_port", free_port(),
+               KIT_ROOT / "solutions" / "finetune_lora.py",
+               "--preset", "tiny", "--model", MODEL, "--data", TASKS, "--out", out,
+               *flags]
     result = subprocess.run(list(map(str, command)), capture_output=True, text=True,
                             env={**os.environ, **(env or {})})
     if result.returncode != 0:
-        raise RuntimeError(f"{' '.join(map(str, command))} failed:\n{result.stderr[-3000:]}")
+        raise RuntimeError(f"{' '.join(map(str, command))} failed:\n"
+                           f"{result.stderr[-3000:]}")
     return out, result.stdout
 
 
 def summary(log):
-    """The script's own lines, without the per-step ones (those are in metrics.jsonl) and
-    without DeepSpeed's note that it found no GPU."""
-    return "\n".join(line for line in log.splitlines() if not line.startswith(("step ", "[")))
+    """The script's own lines, without the per-step ones (those are in metrics.jsonl)
+    and without DeepSpeed's note that it found no GPU."""
+    return "\n".join(line for line in log.splitlines()
+                     if not line.startswith(("step ", "[")))
 
 
-QUICK_EVALUATION = [] if LONGER_RUNS else ["--eval-interval", 125, "--eval-examples", 50]
+QUICK_EVALUATION = ([] if LONGER_RUNS
+                    else ["--eval-interval", 125, "--eval-examples", 50])
 single, log = finetune("single", "lora-single", *QUICK_EVALUATION)
 print(summary(log))
 
@@ -415,12 +444,15 @@ evals = [{"step": 0, **evaluation["before"]}] + [m for m in metrics if "val_loss
 targets = settings["args"]["target_modules"]  # a list of names, or "all-linear"
 print(f"{settings['trainable']:,} of {settings['parameters']:,} parameters trained "
       f"({settings['trainable_fraction']:.1%}), rank {settings['args']['lora_r']}, on "
-      f"{targets if isinstance(targets, str) else ', '.join(targets)}; {len(metrics)} steps, "
+      f"{targets if isinstance(targets, str) else ', '.join(targets)}; "
+      f"{len(metrics)} steps, "
       f"{sum(m['ms'] for m in metrics) / 1000:.0f} s of training")
 
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
-left.plot([m["step"] for m in metrics], [m["loss"] for m in metrics], label="training loss")
-left.plot([m["step"] for m in evals], [m["val_loss"] for m in evals], "o-", label="validation loss")
+left.plot([m["step"] for m in metrics], [m["loss"] for m in metrics],
+          label="training loss")
+left.plot([m["step"] for m in evals], [m["val_loss"] for m in evals], "o-",
+          label="validation loss")
 left.set_xlabel("step")
 left.set_ylabel("loss per answer token")
 left.legend()
@@ -447,21 +479,26 @@ rows = ["| | validation loss | exact match | " + " | ".join(
     len(evaluation["after"]["exact_match_by_task"])]
 for when in ("before", "after"):
     result = evaluation[when]
-    rows.append(f"| {when} training | {result['val_loss']:.3f} | {result['exact_match']:.0%} | "
-                + " | ".join(f"{v:.0%}" for v in result["exact_match_by_task"].values()) + " |")
+    rows.append(f"| {when} training | {result['val_loss']:.3f} | "
+                f"{result['exact_match']:.0%} | "
+                + " | ".join(f"{v:.0%}" for v in result["exact_match_by_task"].values())
+                + " |")
 display(Markdown("\n".join(rows)))
-# what the tiny preset's recipe promises (the lesson fails if a change to the kit breaks it):
-# 30 points more exact match at least, and a quarter off the validation loss
+# what the tiny preset's recipe promises (the lesson fails if a change to the kit breaks
+# it): 30 points more exact match at least, and a quarter off the validation loss
 before, after = evaluation["before"], evaluation["after"]
 assert after["exact_match"] - before["exact_match"] >= 0.30, evaluation
 assert after["val_loss"] < 0.75 * before["val_loss"], evaluation
 
-predictions = [json.loads(line) for line in (single / "predictions.jsonl").read_text().splitlines()]
+predictions = [json.loads(line)
+               for line in (single / "predictions.jsonl").read_text().splitlines()]
 right_ones = [p for p in predictions if p["correct"]][:3]
 wrong_ones = [p for p in predictions if not p["correct"]][:3]
-rows = ["| task | input | reference | the model's answer | correct |", "|---|---|---|---|---|"]
+rows = ["| task | input | reference | the model's answer | correct |",
+        "|---|---|---|---|---|"]
 for p in right_ones + wrong_ones:
-    answer = repr(p["answer"].strip()).replace("|", "\\|")  # a pipe would end the table cell
+    # a pipe would end the table cell
+    answer = repr(p["answer"].strip()).replace("|", "\\|")
     rows.append(f"| {p['task']} | `{p['input']}` | {p['reference']} | {answer} | "
                 f"{'yes' if p['correct'] else 'no'} |")
 display(Markdown("\n".join(rows)))
@@ -483,14 +520,18 @@ display(Markdown("\n".join(rows)))
 # %% tags=["demo"]
 adapted = PeftModel.from_pretrained(base_model, single / "adapter").eval()
 merged = AutoModelForCausalLM.from_pretrained(single / "model").eval()
-# the first adapted linear layer (embeddings are adapted too, with other attribute names)
+# the first adapted linear layer (embeddings are adapted too, with other attribute
+# names)
 name, lora = next((n, m) for n, m in adapted.named_modules() if hasattr(m, "lora_B")
                   and "default" in m.lora_B)
-delta = lora.scaling["default"] * lora.lora_B["default"].weight @ lora.lora_A["default"].weight
-W = lora.base_layer.weight  # GPT-2's Conv1D stores W transposed (d_in x d_out): so does delta
+delta = (lora.scaling["default"] * lora.lora_B["default"].weight
+         @ lora.lora_A["default"].weight)
+# GPT-2's Conv1D stores W transposed (d_in x d_out): so does delta
+W = lora.base_layer.weight
 by_hand = W + (delta.T if lora.fan_in_fan_out else delta)
 saved = merged.state_dict()[name.removeprefix("base_model.model.") + ".weight"]
-print(f"{name}: |delta| / |W| = {delta.norm() / W.norm():.2f}; W + (alpha/r) B A by hand vs the "
+print(f"{name}: |delta| / |W| = {delta.norm() / W.norm():.2f}; "
+      f"W + (alpha/r) B A by hand vs the "
       f"merged model: largest difference {(by_hand - saved).abs().max():.1e}")
 
 batch = tokenizer([finetune_lora.format_prompt(e) for e in val.select(range(8))],
@@ -500,8 +541,8 @@ with torch.no_grad():
     gap = (logits - merged(**batch).logits).abs().max()
 adapter_bytes = (single / "adapter" / "adapter_model.safetensors").stat().st_size
 model_bytes = (single / "model" / "model.safetensors").stat().st_size
-print(f"merged model vs base model + adapter: largest logit difference {gap:.1e} (logits up "
-      f"to {logits.abs().max():.0f})")
+print(f"merged model vs base model + adapter: largest logit difference {gap:.1e} "
+      f"(logits up to {logits.abs().max():.0f})")
 print(f"on disk: adapter {adapter_bytes / 2**20:.1f} MiB, merged model "
       f"{model_bytes / 2**20:.1f} MiB")
 
@@ -557,8 +598,8 @@ sharded, log = finetune("fsdp", "lora-fsdp-2", "--max-steps", 6, "--eval-interva
 print(summary(log).splitlines()[0])
 sharded_settings = runs.read_json(sharded / "config.json")
 first_single, first_sharded = metrics[0]["loss"], runs.read_metrics(sharded)[0]["loss"]
-print(f"{sharded_settings['distributed_type']} on {sharded_settings['world_size']} processes: "
-      f"first loss {first_sharded:.5f}, one process: {first_single:.5f}")
+print(f"{sharded_settings['distributed_type']} on {sharded_settings['world_size']} "
+      f"processes: first loss {first_sharded:.5f}, one process: {first_single:.5f}")
 print(f"saved: {', '.join(sorted(p.name for p in sharded.iterdir()))}")
 
 # %% [markdown]
@@ -611,10 +652,14 @@ setup = {
 ### BEGIN SOLUTION
 setup = {
     "LoRA r=16 on GPT-2 124M, 4 GPUs of 16 GB": "ddp",  # 0.5 GB of weights
-    "full fine-tuning of the 7B model, 8 GPUs of 80 GB": "zero2",  # 27 + 81 / 8 = 37 GB <= 60
-    "full fine-tuning of the 7B model, 4 GPUs of 40 GB": "zero3",  # zero2: 27 + 81 / 4 = 47 > 30
-    "LoRA r=16 on the 7B model, 8 GPUs of 80 GB": "ddp",  # 27 GB + 0.6 GB for the adapters
-    "LoRA r=16 on the 7B model, 1 GPU of 16 GB": "qlora",  # bf16 weights alone are 13.5 > 12
+    # 27 + 81 / 8 = 37 GB <= 60
+    "full fine-tuning of the 7B model, 8 GPUs of 80 GB": "zero2",
+    # zero2: 27 + 81 / 4 = 47 > 30
+    "full fine-tuning of the 7B model, 4 GPUs of 40 GB": "zero3",
+    # 27 GB + 0.6 GB for the adapters
+    "LoRA r=16 on the 7B model, 8 GPUs of 80 GB": "ddp",
+    # bf16 weights alone are 13.5 > 12
+    "LoRA r=16 on the 7B model, 1 GPU of 16 GB": "qlora",
 }
 ### END SOLUTION
 

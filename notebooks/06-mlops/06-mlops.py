@@ -45,6 +45,25 @@
 # instructor guide says how they are made.
 
 # %%
+import matplotlib.pyplot as plt
+import mlflow
+import psutil
+import torch
+from IPython.display import Markdown, display
+from mlflow import MlflowClient
+from safetensors.torch import load_file, save_file
+from torch.profiler import ProfilerActivity, profile, record_function
+from transformers.utils import logging as transformers_logging
+
+from coursekit import (KIT_ROOT, data, distributed, hfexport, presets, registry, runs,
+                       stages)
+from solutions import gpt
+
+# %% [markdown]
+# The set-up: the standard library's modules the lesson uses, the offline corpus, a fresh
+# folder for everything the lesson writes, and quieter libraries.
+
+# %%
 import contextlib
 import hashlib
 import io
@@ -61,26 +80,15 @@ import time
 import zipfile
 from pathlib import Path
 
-import matplotlib.pyplot as plt
-import mlflow
-import psutil
-import torch
-from IPython.display import Markdown, display
-from mlflow import MlflowClient
-from safetensors.torch import load_file, save_file
-from torch.profiler import ProfilerActivity, profile, record_function
-from transformers.utils import logging as transformers_logging
-
-from coursekit import KIT_ROOT, data, distributed, hfexport, presets, registry, runs, stages
-from solutions import gpt
-
 DATA = KIT_ROOT / "data" / "builtin"
 if not (DATA / "meta.json").exists():  # the offline corpus: built in seconds, once
     data.prepare_builtin(DATA)
-if "STORE" in globals():  # MLflow keeps the database open: deleting it now would break the lesson
-    raise RuntimeError("to run the lesson again, restart the kernel first (Kernel, Restart Kernel "
-                       "and Run All Cells)")
-RUNS = Path("runs")  # everything this lesson writes: runs, the MLflow store, copies, a trace
+# MLflow keeps the database open: deleting it now would break the lesson
+if "STORE" in globals():
+    raise RuntimeError("to run the lesson again, restart the kernel first (Kernel, "
+                       "Restart Kernel and Run All Cells)")
+# everything this lesson writes: runs, the MLflow store, copies, a trace
+RUNS = Path("runs")
 shutil.rmtree(RUNS, ignore_errors=True)  # a fresh store each time the lesson runs
 RUNS.mkdir()
 EXPERIMENT = "06-mlops"  # the MLflow experiment (a named group of runs) of this lesson
@@ -88,7 +96,8 @@ EXPERIMENT = "06-mlops"  # the MLflow experiment (a named group of runs) of this
 os.environ["MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR"] = "false"
 logging.getLogger("mlflow").setLevel(logging.WARNING)
 transformers_logging.disable_progress_bar()
-print(f"torch {torch.__version__}, mlflow {mlflow.__version__}; data {DATA.relative_to(KIT_ROOT)}")
+print(f"torch {torch.__version__}, mlflow {mlflow.__version__}; "
+      f"data {DATA.relative_to(KIT_ROOT)}")
 
 # %% [markdown]
 # ## Tracking runs
@@ -126,28 +135,33 @@ print(f"torch {torch.__version__}, mlflow {mlflow.__version__}; data {DATA.relat
 SCRIPT = KIT_ROOT / "solutions" / "train_gpt2_std.py"
 STEPS = 12
 LEARNING_RATES = {"lr-1e-3": 1e-3, "lr-6e-3": 6e-3}
-STORE = f"sqlite:///{(RUNS / 'mlflow.db').resolve()}"  # RUN_DIR/../mlflow.db of runs in RUNS
+# RUN_DIR/../mlflow.db of runs in RUNS
+STORE = f"sqlite:///{(RUNS / 'mlflow.db').resolve()}"
 client = MlflowClient(STORE)  # creates the database on first use
-client.create_experiment(EXPERIMENT, artifact_location=(RUNS / "mlartifacts").resolve().as_uri())
+client.create_experiment(EXPERIMENT,
+                         artifact_location=(RUNS / "mlartifacts").resolve().as_uri())
 THREADS = max(1, (os.cpu_count() or 2) // len(LEARNING_RATES))  # the cores, shared out
-CHILD_ENV = {**os.environ, "MLFLOW_EXPERIMENT_NAME": EXPERIMENT, "OMP_NUM_THREADS": str(THREADS)}
-CHILD_ENV.pop("MLFLOW_TRACKING_URI", None)  # this lesson's own store, even where a server is set
+CHILD_ENV = {**os.environ, "MLFLOW_EXPERIMENT_NAME": EXPERIMENT,
+             "OMP_NUM_THREADS": str(THREADS)}
+# this lesson's own store, even where a server is set
+CHILD_ENV.pop("MLFLOW_TRACKING_URI", None)
 
 
 def start(name, lr):
-    """Start the std stage with --track mlflow; its output goes to RUNS/<name>.out, as a Slurm
-    job's goes to its --output file."""
-    command = [sys.executable, SCRIPT, "--preset", "tiny", "--data", DATA, "--out", RUNS / name,
-               "--max-steps", STEPS, "--micro-batch", 2, "--batch-tokens", 256, "--lr", lr,
-               "--eval-interval", 4, "--eval-steps", 2, "--sample-tokens", 0, "--track", "mlflow"]
+    """Start the std stage with --track mlflow; its output goes to RUNS/<name>.out, as a
+    Slurm job's goes to its --output file."""
+    command = [sys.executable, SCRIPT, "--preset", "tiny", "--data", DATA, "--out",
+               RUNS / name, "--max-steps", STEPS, "--micro-batch", 2,
+               "--batch-tokens", 256, "--lr", lr, "--eval-interval", 4,
+               "--eval-steps", 2, "--sample-tokens", 0, "--track", "mlflow"]
     with open(RUNS / f"{name}.out", "w") as output:
-        return subprocess.Popen(list(map(str, command)), stdout=output, stderr=subprocess.STDOUT,
-                                env=CHILD_ENV)
+        return subprocess.Popen(list(map(str, command)), stdout=output,
+                                stderr=subprocess.STDOUT, env=CHILD_ENV)
 
 
 def watch(jobs, interval=0.25):
-    """Sample the CPU use (% of one core) and resident memory (bytes) of every job until all have
-    ended: {name: [(seconds, cpu, rss), ...]}."""
+    """Sample the CPU use (% of one core) and resident memory (bytes) of every job
+    until all have ended: {name: [(seconds, cpu, rss), ...]}."""
     processes = {name: psutil.Process(job.pid) for name, job in jobs.items()}
     samples, began = {name: [] for name in jobs}, time.perf_counter()
     for process in processes.values():
@@ -158,8 +172,8 @@ def watch(jobs, interval=0.25):
             if jobs[name].poll() is not None:  # this one has ended
                 continue
             try:
-                samples[name].append((time.perf_counter() - began, process.cpu_percent(),
-                                      process.memory_info().rss))
+                samples[name].append((time.perf_counter() - began,
+                                      process.cpu_percent(), process.memory_info().rss))
             except psutil.Error:  # it ended just now
                 pass
     return samples
@@ -173,7 +187,8 @@ for name, job in jobs.items():
     if job.returncode != 0:
         raise RuntimeError(f"run {name} failed:\n" + "\n".join(lines[-30:]))
     run_dirs[name] = RUNS / name
-    print("\n  ".join([f"{name}:"] + [line for line in lines if line.startswith("tracking:")]
+    print("\n  ".join([f"{name}:"]
+                      + [line for line in lines if line.startswith("tracking:")]
                       + lines[-1:]))
 
 # %% [markdown]
@@ -188,8 +203,10 @@ for name, job in jobs.items():
 
 # %% tags=["demo"]
 assert runs.read_json(run_dirs["lr-1e-3"] / "tracking.json")["tracking_uri"] == STORE
-mlflow.set_tracking_uri(STORE)  # where search_runs (and MlflowClient() with no URI) look
-found = mlflow.search_runs(experiment_names=[EXPERIMENT]).sort_values("tags.mlflow.runName")
+# where search_runs (and MlflowClient() with no URI) look
+mlflow.set_tracking_uri(STORE)
+found = mlflow.search_runs(experiment_names=[EXPERIMENT]).sort_values(
+    "tags.mlflow.runName")
 found = found.reset_index(drop=True)
 print(f"{len(found)} runs in experiment {EXPERIMENT!r} of {STORE}; each with "
       f"{found.columns.str.startswith('params.').sum()} params, "
@@ -202,25 +219,29 @@ def short(value):
     return f"`{value[:12]}`" if isinstance(value, str) else "-"
 
 
-rows = ["| run | args.lr | steps | final loss | final val_loss | median tok/s | git commit | data manifest |",
+rows = ["| run | args.lr | steps | final loss | final val_loss | median tok/s "
+        "| git commit | data manifest |",
         "|---|---|---|---|---|---|---|---|"]
 for _, row in found.iterrows():  # a row's index holds the column names
     tok_per_s = [m.value for m in client.get_metric_history(row["run_id"], "tok_per_s")]
     rows.append(f"| {row['tags.mlflow.runName']} | {row['params.args.lr']} | "
                 f"{row['params.args.max_steps']} | {row['metrics.loss']:.3f} | "
-                f"{row['metrics.val_loss']:.3f} | {statistics.median(tok_per_s):,.0f} | "
+                f"{row['metrics.val_loss']:.3f} | "
+                f"{statistics.median(tok_per_s):,.0f} | "
                 f"{short(row.get('tags.git_commit'))} | "
                 f"{short(row['tags.data_manifest_sha256'])} |")
 display(Markdown("\n".join(rows)))
 
 # %% tags=["demo"]
-fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5), sharey=True, layout="constrained")
+fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5), sharey=True,
+                                  layout="constrained")
 for _, row in found.iterrows():
     name = row["tags.mlflow.runName"]
     for ax, metric in ((left, "loss"), (right, "val_loss")):
-        history = sorted(client.get_metric_history(row["run_id"], metric), key=lambda m: m.step)
-        ax.plot([m.step for m in history], [m.value for m in history], "o-" if metric == "val_loss"
-                else "-", label=name)
+        history = sorted(client.get_metric_history(row["run_id"], metric),
+                         key=lambda m: m.step)
+        ax.plot([m.step for m in history], [m.value for m in history],
+                "o-" if metric == "val_loss" else "-", label=name)
 left.set_title("training loss")
 right.set_title("validation loss")
 for ax in (left, right):
@@ -251,10 +272,12 @@ def best_run(found, metric="val_loss"):
 import pandas as pd  # noqa: E402
 
 table = pd.DataFrame({"run_id": ["r1", "r2", "r3"], "metrics.val_loss": [4.2, 3.9, 4.0],
-                      "metrics.loss": [3.1, 3.6, 2.9]})  # the columns search_runs returns
+                      # the columns search_runs returns
+                      "metrics.loss": [3.1, 3.6, 2.9]})
 assert best_run(table) == "r2" and best_run(table, "loss") == "r3"
 ### BEGIN HIDDEN TESTS
-fake = pd.DataFrame({"run_id": ["a", "b", "c"], "metrics.val_loss": [3.0, float("nan"), 2.5],
+fake = pd.DataFrame({"run_id": ["a", "b", "c"],
+                     "metrics.val_loss": [3.0, float("nan"), 2.5],
                      "metrics.loss": [1.0, 0.5, 2.0]})
 assert best_run(fake) == "c" and best_run(fake, "loss") == "b"
 assert best_run(fake.iloc[::-1]) == "c" and best_run(fake.iloc[[2, 0]], "loss") == "a"
@@ -371,16 +394,20 @@ for n in (1, 2, 3, 4):
 
 # %% tags=["demo"]
 # the run with the lowest final validation loss (what best_run finds in MLflow's table)
-BEST_NAME = min(run_dirs, key=lambda name: runs.read_metrics(run_dirs[name])[-1]["val_loss"])
+BEST_NAME = min(run_dirs,
+                key=lambda name: runs.read_metrics(run_dirs[name])[-1]["val_loss"])
 BEST_DIR = run_dirs[BEST_NAME]
 BEST = runs.read_json(BEST_DIR / "tracking.json")["run_id"]
 packages = client.download_artifacts(BEST, "environment/requirements.txt", str(RUNS))
 pins = Path(packages).read_text().split()
 print(f"{len(pins)} packages pinned, such as "
-      + ", ".join(p for p in pins if p.split("==")[0].lower() in ("torch", "mlflow", "numpy")))
-print(f"artifacts of {BEST_NAME}: {', '.join(a.path for a in client.list_artifacts(BEST))}")
+      + ", ".join(p for p in pins
+                  if p.split("==")[0].lower() in ("torch", "mlflow", "numpy")))
+print(f"artifacts of {BEST_NAME}: "
+      f"{', '.join(a.path for a in client.list_artifacts(BEST))}")
 tags = client.get_run(BEST).data.tags
-for key in ("git_commit", "data_manifest_sha256", "torch", "device", "world_size", "host"):
+for key in ("git_commit", "data_manifest_sha256", "torch", "device", "world_size",
+            "host"):
     print(f"  {key:22s} {tags.get(key, '(not recorded)')}")
 
 # %% [markdown]
@@ -409,8 +436,10 @@ _, problems = runs.verify_data(BEST_DIR, copy)
 print(f"the copy: {problems}")
 check = subprocess.run([sys.executable, "-m", "coursekit", "verify-data", str(BEST_DIR),
                         "--data", str(copy)], capture_output=True, text=True)
-print(f"$ python -m coursekit verify-data {BEST_DIR} --data {copy}\n{check.stderr.strip()}\n"
-      f"exit status {check.returncode}: a batch job that runs it first stops before training")
+print(f"$ python -m coursekit verify-data {BEST_DIR} --data {copy}\n"
+      f"{check.stderr.strip()}\n"
+      f"exit status {check.returncode}: "
+      f"a batch job that runs it first stops before training")
 
 # %% [markdown]
 # **Exercise 2.** Write `sha256_manifest(directory)`: a dictionary from the name of every file
@@ -431,9 +460,11 @@ def sha256_manifest(directory):
 
 # %% nbgrader={"grade": true, "grade_id": "sha256_manifest_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 mine = sha256_manifest(DATA)
-recorded = runs.data_manifest(DATA)  # what every run records, from the hashes made with the data
+# what every run records, from the hashes made with the data
+recorded = runs.data_manifest(DATA)
 assert mine == recorded["files"]
-assert hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest() == recorded["sha256"]
+assert (hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()
+        == recorded["sha256"])
 ### BEGIN HIDDEN TESTS
 folder = RUNS / "hidden-manifest"
 shutil.rmtree(folder, ignore_errors=True)
@@ -444,12 +475,15 @@ shutil.rmtree(folder, ignore_errors=True)
 (folder / "sub" / "b.bin").write_bytes(b"b")
 from coursekit import exercise  # noqa: E402
 
-with exercise.own_work(runs.data_manifest):  # the manifest the kit reads back is not the exercise
+# the manifest the kit reads back is not the exercise
+with exercise.own_work(runs.data_manifest):
     assert sha256_manifest(DATA) == recorded["files"]
     assert sha256_manifest(folder) == {
         "a.bin": "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad",
-        "empty.jsonl": "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"}
-    assert sha256_manifest(folder / "sub") == {"b.bin": hashlib.sha256(b"b").hexdigest()}
+        "empty.jsonl":
+            "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"}
+    assert sha256_manifest(folder / "sub") == {
+        "b.bin": hashlib.sha256(b"b").hexdigest()}
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -458,9 +492,11 @@ with exercise.own_work(runs.data_manifest):  # the manifest the kit reads back i
 # %% tags=["demo"]
 mine = sha256_manifest(DATA)
 digest = hashlib.sha256(json.dumps(mine, sort_keys=True).encode()).hexdigest()
-print(f"equal to the run's data_manifest_sha256 tag: {digest == tags['data_manifest_sha256']}")
+print(f"equal to the run's data_manifest_sha256 tag: "
+      f"{digest == tags['data_manifest_sha256']}")
 print(f"files that differ in the copy: "
-      f"{[name for name, found_digest in sha256_manifest(copy).items() if mine[name] != found_digest]}")
+      f"""{[name for name, found_digest in sha256_manifest(copy).items()
+            if mine[name] != found_digest]}""")
 
 # %% [markdown]
 # ## Checkpoints: pickle and safetensors
@@ -477,20 +513,24 @@ class Surprise:
     """Pickled as 'call print(...)': a stand-in for a malicious payload."""
 
     def __reduce__(self):
-        return (print, ("this line was printed by torch.load, from inside the checkpoint",))
+        return (print, ("this line was printed by torch.load, from inside the "
+                        "checkpoint",))
 
 
 suspicious = RUNS / "suspicious.pt"
 torch.save({"weight": torch.ones(2, 3), "extra": Surprise()}, suspicious)
 with zipfile.ZipFile(suspicious) as archive:
-    program = archive.read(next(n for n in archive.namelist() if n.endswith("data.pkl")))
-calls = [arg for op, arg, _ in pickletools.genops(program) if op.name in ("GLOBAL", "STACK_GLOBAL")]
+    program = archive.read(next(n for n in archive.namelist()
+                                if n.endswith("data.pkl")))
+calls = [arg for op, arg, _ in pickletools.genops(program)
+         if op.name in ("GLOBAL", "STACK_GLOBAL")]
 print(f"what the pickle imports to rebuild its objects: {calls}")
 
 try:
     torch.load(suspicious, weights_only=True)
 except pickle.UnpicklingError as err:
-    reason = next(line for line in str(err).splitlines() if "Unsupported global" in line)
+    reason = next(line for line in str(err).splitlines()
+                  if "Unsupported global" in line)
     print(f"weights_only=True refused it: {reason.strip()[:110]}...")
 print("weights_only=False ran it:")
 print(f"  and returned {torch.load(suspicious, weights_only=False)}")
@@ -511,7 +551,8 @@ weights = RUNS / "weights.safetensors"
 save_file({"weight": torch.ones(2, 3), "bias": torch.zeros(3)}, weights)
 raw = weights.read_bytes()
 header_length = int.from_bytes(raw[:8], "little")
-print(f"{len(raw)} bytes: an 8-byte length, then the header {raw[8:8 + header_length].decode()}")
+print(f"{len(raw)} bytes: an 8-byte length, then the header "
+      f"{raw[8:8 + header_length].decode()}")
 print(f"loaded back: {sorted(load_file(weights))}")
 try:
     save_file({"extra": Surprise()}, RUNS / "refused.safetensors")
@@ -522,7 +563,8 @@ checkpoint = runs.latest_checkpoint(BEST_DIR)
 tensors = load_file(checkpoint / "tensors.safetensors")
 state = runs.read_json(checkpoint / "state.json")
 print(f"{BEST_DIR.name}'s checkpoint {checkpoint.name}: {len(tensors)} tensors "
-      f"({sum(t.numel() for t in tensors.values()):,} numbers: weights and Adam's two states) "
+      f"({sum(t.numel() for t in tensors.values()):,} numbers: "
+      f"weights and Adam's two states) "
       f"and state.json with {sorted(state['state'])}")
 
 # %% [markdown]
@@ -555,16 +597,21 @@ print(f"{BEST_DIR.name}'s checkpoint {checkpoint.name}: {len(tensors)} tensors "
 # %% tags=["demo"]
 hf_dir = RUNS / "hf-champion"
 exported = hfexport.export(BEST_DIR, hf_dir)
-with contextlib.redirect_stderr(io.StringIO()):  # MLflow's notes and advice on type hints
-    store, version = registry.register(BEST_DIR, "kit-std", "champion", model_dir=hf_dir)
+# MLflow's notes and advice on type hints
+with contextlib.redirect_stderr(io.StringIO()):
+    store, version = registry.register(BEST_DIR, "kit-std", "champion",
+                                       model_dir=hf_dir)
     champion = registry.load("kit-std@champion", STORE)
 entry = client.get_model_version_by_alias("kit-std", "champion")
-print(f"{BEST_DIR.name} at step {exported['step']} -> registered model kit-std version {version}, "
+print(f"{BEST_DIR.name} at step {exported['step']} -> "
+      f"registered model kit-std version {version}, "
       f"alias champion")
 print(f"the version leads back to run {entry.run_id[:12]} "
-      f"({client.get_run(entry.run_id).info.run_name}), the best run: {entry.run_id == BEST}")
+      f"({client.get_run(entry.run_id).info.run_name}), "
+      f"the best run: {entry.run_id == BEST}")
 prompts = ["The", "def"]
-for prompt, completion in zip(prompts, champion.predict(prompts, params={"max_new_tokens": 8})):
+for prompt, completion in zip(prompts,
+                              champion.predict(prompts, params={"max_new_tokens": 8})):
     print(f"{prompt!r} -> {completion!r}")
 
 # %% [markdown]
@@ -591,7 +638,8 @@ for prompt, completion in zip(prompts, champion.predict(prompts, params={"max_ne
 # %% tags=["demo"]
 std_batch_file = (KIT_ROOT / "batchfiles" / "generic" / "batch-std-1n1g.sh").read_text()
 print("\n".join(line for line in std_batch_file.splitlines()
-                if line.startswith(("nvidia-smi", "monitor", "trap 'kill", "srun", "    "))))
+                if line.startswith(("nvidia-smi", "monitor", "trap 'kill", "srun",
+                                    "    "))))
 
 # %% [markdown]
 # On AMD GPUs, `rocm-smi --showuse --showmemuse --csv` in a `while true; do ...; sleep 5; done`
@@ -629,8 +677,10 @@ for ax in (cpu_ax, memory_ax):
 fig.suptitle("two training processes side by side, sampled every 0.25 s with psutil")
 plt.show()
 for name, samples in usage.items():
-    cpu, peak = statistics.mean(c for _, c, _ in samples), max(rss for _, _, rss in samples)
-    print(f"{name}: {samples[-1][0]:.1f} s, mean CPU {cpu:.0f}% of one core ({THREADS} thread(s) "
+    cpu, peak = (statistics.mean(c for _, c, _ in samples),
+                 max(rss for _, _, rss in samples))
+    print(f"{name}: {samples[-1][0]:.1f} s, mean CPU {cpu:.0f}% of one core "
+          f"({THREADS} thread(s) "
           f"for PyTorch), peak memory {peak / 2**20:,.0f} MiB")
 
 # %% [markdown]
@@ -658,12 +708,14 @@ def throughput_stats(history, skip=2):
     ### BEGIN SOLUTION
     values = [m.value for m in sorted(history, key=lambda m: m.step)][skip:]
     return {"steps": len(values), "mean": statistics.mean(values),
-            "median": statistics.median(values), "min": min(values), "max": max(values)}
+            "median": statistics.median(values), "min": min(values),
+            "max": max(values)}
     ### END SOLUTION
 
 
 # %% tags=["demo"]
-rows = ["| run | steps kept | mean tok/s | median | min | max |", "|---|---|---|---|---|---|"]
+rows = ["| run | steps kept | mean tok/s | median | min | max |",
+        "|---|---|---|---|---|---|"]
 for name, run_dir in run_dirs.items():
     stats = throughput_stats(client.get_metric_history(
         runs.read_json(run_dir / "tracking.json")["run_id"], "tok_per_s"))
@@ -674,7 +726,8 @@ display(Markdown("\n".join(rows)))
 # %% nbgrader={"grade": true, "grade_id": "throughput_stats_tests", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
 from mlflow.entities import Metric  # noqa: E402
 
-logged = [120.0, 950.0, 1010.0, 990.0, 1030.0]  # tok/s of steps 1 to 5: the first ones are slow
+# tok/s of steps 1 to 5: the first ones are slow
+logged = [120.0, 950.0, 1010.0, 990.0, 1030.0]
 stats = throughput_stats([Metric("tok_per_s", value, 0, step)
                           for step, value in enumerate(logged, start=1)])
 assert stats["steps"] == 3
@@ -683,8 +736,9 @@ assert stats["min"] == min(logged[2:]) and stats["max"] == max(logged[2:])
 ### BEGIN HIDDEN TESTS
 shuffled = [Metric("tok_per_s", value, 0, step) for step, value in
             ((3, 300.0), (1, 10.0), (4, 200.0), (2, 100.0))]
-assert throughput_stats(shuffled, skip=1) == {"steps": 3, "mean": 200.0, "median": 200.0,
-                                              "min": 100.0, "max": 300.0}
+assert throughput_stats(shuffled, skip=1) == {"steps": 3, "mean": 200.0,
+                                              "median": 200.0, "min": 100.0,
+                                              "max": 300.0}
 assert throughput_stats(shuffled, skip=0)["median"] == 150.0
 assert throughput_stats(shuffled)["min"] == 200.0
 assert stats["median"] == statistics.median(logged[2:])
@@ -706,13 +760,15 @@ assert stats["median"] == statistics.median(logged[2:])
 # %%
 std = stages.load("std")  # solutions/train_gpt2_std.py, imported as a module
 tiny = presets.get_preset("tiny")
-device = distributed.device_for(0)  # the stages' choice: the first GPU there is, else the CPU
+# the stages' choice: the first GPU there is, else the CPU
+device = distributed.device_for(0)
 torch.manual_seed(0)
-config = gpt.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len, n_layer=tiny.n_layer,
-                       n_head=tiny.n_head, n_embd=tiny.n_embd)
+config = gpt.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len,
+                       n_layer=tiny.n_layer, n_head=tiny.n_head, n_embd=tiny.n_embd)
 model = gpt.GPT(config).to(device)  # solutions/gpt.py, the model every stage trains
 optimizer = std.configure_optimizer(model, tiny.lr, tiny.weight_decay, device)
-loader = std.TokenShardLoader(DATA, "train", 2, tiny.seq_len)  # 2 samples per step: quick
+# 2 samples per step: quick
+loader = std.TokenShardLoader(DATA, "train", 2, tiny.seq_len)
 
 
 def train_step():
@@ -727,14 +783,17 @@ def train_step():
 
 
 train_step()  # warm-up: first-call costs (allocations, lazy initialisation) stay out
-activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-os.environ["KINETO_LOG_LEVEL"] = "6"  # no start and stop notes from the profiler's C++ library
+activities = ([ProfilerActivity.CPU]
+              + ([ProfilerActivity.CUDA] if device.type == "cuda" else []))
+# no start and stop notes from the profiler's C++ library
+os.environ["KINETO_LOG_LEVEL"] = "6"
 with profile(activities=activities, record_shapes=True) as prof:
     for _ in range(3):
         train_step()
         prof.step()
 sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-print(prof.key_averages().table(sort_by=sort_by, row_limit=10, max_name_column_width=36))
+print(prof.key_averages().table(sort_by=sort_by, row_limit=10,
+                                max_name_column_width=36))
 
 # %% [markdown]
 # Each row is one operator, summed over the three steps. *Self* time is spent in the operator
@@ -756,7 +815,8 @@ print(prof.key_averages().table(sort_by=sort_by, row_limit=10, max_name_column_w
 # %% nbgrader={"grade": false, "grade_id": "top_ops", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def top_ops(prof, n):
     ### BEGIN SOLUTION
-    averages = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    averages = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total,
+                      reverse=True)
     return [(e.key, e.self_cpu_time_total / 1000) for e in averages[:n]]
     ### END SOLUTION
 
@@ -765,13 +825,16 @@ def top_ops(prof, n):
 top = top_ops(prof, 5)
 averages = prof.key_averages()
 biggest = max(averages, key=lambda e: e.self_cpu_time_total)
-assert len(top) == 5 and [ms for _, ms in top] == sorted((ms for _, ms in top), reverse=True)
-assert top[0][0] == biggest.key and abs(top[0][1] - biggest.self_cpu_time_total / 1000) < 1e-9
+assert len(top) == 5 and [ms for _, ms in top] == sorted((ms for _, ms in top),
+                                                         reverse=True)
+assert (top[0][0] == biggest.key
+        and abs(top[0][1] - biggest.self_cpu_time_total / 1000) < 1e-9)
 ### BEGIN HIDDEN TESTS
 by_name = {e.key: e.self_cpu_time_total / 1000 for e in averages}
 assert all(abs(by_name[name] - ms) < 1e-9 for name, ms in top)
 assert all(ms <= top[-1][1] for name, ms in by_name.items() if name not in dict(top))
-assert top_ops(prof, 1) == top[:1] and len(top_ops(prof, len(averages) + 5)) == len(averages)
+assert (top_ops(prof, 1) == top[:1]
+        and len(top_ops(prof, len(averages) + 5)) == len(averages))
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -784,10 +847,12 @@ assert top_ops(prof, 1) == top[:1] and len(top_ops(prof, len(averages) + 5)) == 
 trace = RUNS / "trace.json"
 prof.export_chrome_trace(str(trace))
 events = json.loads(trace.read_text())["traceEvents"]
-# the record_function labels, as the CPU ran them (a GPU trace has them on the streams too)
+# the record_function labels, as the CPU ran them (a GPU trace has them on the streams
+# too)
 labelled = [e for e in events if e.get("cat") == "user_annotation"
             and e["name"] in ("forward", "backward", "optimizer")]
-assert {e["name"] for e in labelled} == {"forward", "backward", "optimizer"}  # every step's parts
+# every step's parts
+assert {e["name"] for e in labelled} == {"forward", "backward", "optimizer"}
 print(f"exported Chrome trace {trace}: {trace.stat().st_size / 2**20:.1f} MiB, "
       f"{len(events):,} events")
 for label in ("forward", "backward", "optimizer"):

@@ -59,27 +59,35 @@ from pathlib import Path
 
 from coursekit import KIT_ROOT, data
 
+# %% [markdown]
+# The set-up: the offline corpus, and a fresh folder for everything the lesson writes.
+
+# %%
 DATA = KIT_ROOT / "data" / "builtin"
 if not (DATA / "meta.json").exists():  # the offline corpus: built in seconds, once
     data.prepare_builtin(DATA)
 if globals().get("study_job") is not None and study_job.poll() is None:
-    raise RuntimeError("the study of the previous run is still training: wait for it, or restart "
-                       "the kernel (Kernel, Restart Kernel and Run All Cells)")
+    raise RuntimeError("the study of the previous run is still training: wait for it, "
+                       "or restart the kernel (Kernel, Restart Kernel and Run All "
+                       "Cells)")
 RUNS = Path("runs")  # everything this lesson writes: the study, its trials, a copy
 shutil.rmtree(RUNS, ignore_errors=True)  # a fresh study each time the lesson runs
 RUNS.mkdir()
 
 # %% tags=["demo"]
-STUDY = (RUNS / "study").resolve()  # the journal, the trials' run directories, the results
-STUDY_COMMAND = [sys.executable, KIT_ROOT / "solutions" / "hpo_optuna.py", "--preset", "tiny",
-                 "--data", DATA, "--study-dir", STUDY, "--trials", 5, "--workers", 2,
-                 "--max-steps", 6, "--eval-interval", 2, "--train-args=--eval-steps 1",
-                 "--baseline"]
-study_output = open(RUNS / "study.out", "w")  # what a batch job would write to its --output
+# the journal, the trials' run directories, the results
+STUDY = (RUNS / "study").resolve()
+STUDY_COMMAND = [sys.executable, KIT_ROOT / "solutions" / "hpo_optuna.py", "--preset",
+                 "tiny", "--data", DATA, "--study-dir", STUDY, "--trials", 5,
+                 "--workers", 2, "--max-steps", 6, "--eval-interval", 2,
+                 "--train-args=--eval-steps 1", "--baseline"]
+# what a batch job would write to its --output
+study_output = open(RUNS / "study.out", "w")
 study_job = subprocess.Popen(list(map(str, STUDY_COMMAND)), stdout=study_output,
                              stderr=subprocess.STDOUT, cwd=KIT_ROOT)
 study_started = time.perf_counter()
-print(f"started the study (process {study_job.pid}); its output goes to {RUNS / 'study.out'}")
+print(f"started the study (process {study_job.pid}); "
+      f"its output goes to {RUNS / 'study.out'}")
 
 # %%
 import difflib  # the rest of the imports, while the study starts
@@ -102,10 +110,12 @@ from coursekit import perf, presets, stages, training
 from solutions import gpt
 
 sys.path.insert(0, str(KIT_ROOT / "solutions"))
-import hpo_optuna  # noqa: E402  (the study's driver: its search space, sampler, pruner, storage)
+# the study's driver: its search space, sampler, pruner, storage
+import hpo_optuna  # noqa: E402
 
-# Optuna announces every study and trial at INFO level, and warns that a few features (the
-# constant liar, multivariate TPE) are experimental: both would bury the lesson's own output.
+# Optuna announces every study and trial at INFO level, and warns that a few features
+# (the constant liar, multivariate TPE) are experimental: both would bury the lesson's
+# own output.
 optuna.logging.set_verbosity(optuna.logging.WARNING)
 warnings.filterwarnings("ignore", category=optuna.exceptions.ExperimentalWarning)
 print(f"optuna {optuna.__version__}, torch {torch.__version__}; data "
@@ -149,7 +159,8 @@ def describe_distribution(distribution):
     """One line for an Optuna distribution: its kind and range."""
     if isinstance(distribution, optuna.distributions.CategoricalDistribution):
         return f"one of {distribution.choices}"
-    kind = "integer" if isinstance(distribution, optuna.distributions.IntDistribution) else "real"
+    kind = ("integer" if isinstance(distribution, optuna.distributions.IntDistribution)
+            else "real")
     return (f"{kind} in [{distribution.low:g}, {distribution.high:g}]"
             + (", sampled on a log scale" if distribution.log else ""))
 
@@ -183,31 +194,38 @@ def toy_loss(x, y):
     return 4 * (x - 0.62) ** 2 + 0.02 * np.sin(3 * np.pi * y) ** 2
 
 
-GRID_VALUES = np.array([1, 3, 5]) / 6  # 3 values per dimension, spread evenly over [0, 1]
+# 3 values per dimension, spread evenly over [0, 1]
+GRID_VALUES = np.array([1, 3, 5]) / 6
 grid_points = np.array([(x, y) for x in GRID_VALUES for y in GRID_VALUES])
 random_points = np.random.default_rng(0).uniform(0, 1, size=(9, 2))
 
 xs = np.linspace(0, 1, 201)
 fig, (square, profile) = plt.subplots(1, 2, figsize=(10, 4), layout="constrained")
-contours = square.contourf(xs, xs, toy_loss(xs[None, :], xs[:, None]), levels=20, cmap="viridis")
+contours = square.contourf(xs, xs, toy_loss(xs[None, :], xs[:, None]), levels=20,
+                           cmap="viridis")
 fig.colorbar(contours, ax=square, label="loss")
 square.plot(*grid_points.T, "ws", markersize=9, markeredgecolor="k", label="3 x 3 grid")
-square.plot(*random_points.T, "o", color="tab:orange", markeredgecolor="k", label="9 random")
+square.plot(*random_points.T, "o", color="tab:orange", markeredgecolor="k",
+            label="9 random")
 square.set(xlabel="x (matters)", ylabel="y (hardly matters)", title="the trials")
 square.legend(loc="upper left")
 profile.plot(xs, toy_loss(xs, 0.0), "k-", label="loss along x (y = 0)")
-for values, style, label in ((GRID_VALUES, "s", "grid"), (random_points[:, 0], "o", "random")):
+for values, style, label in ((GRID_VALUES, "s", "grid"),
+                             (random_points[:, 0], "o", "random")):
     profile.plot(values, toy_loss(values, 0.0), style, markersize=8,
                  label=f"x values the {label} tried")
-profile.set(xlabel="x", ylabel="loss", title="what each tried of the dimension that matters")
+profile.set(xlabel="x", ylabel="loss",
+            title="what each tried of the dimension that matters")
 profile.legend()
 plt.show()
 
 grid_best = toy_loss(*grid_points.T).min()
 random_best = toy_loss(*random_points.T).min()
 print(f"best of the grid: {grid_best:.4f} ({len(set(grid_points[:, 0]))} distinct x); "
-      f"best of 9 random trials: {random_best:.4f} ({len(set(random_points[:, 0]))} distinct x)")
-repeats = toy_loss(*np.random.default_rng(1).uniform(0, 1, size=(2, 1000, 9))).min(axis=1)
+      f"best of 9 random trials: {random_best:.4f} "
+      f"({len(set(random_points[:, 0]))} distinct x)")
+repeats = toy_loss(*np.random.default_rng(1).uniform(0, 1, size=(2, 1000, 9))).min(
+    axis=1)
 print(f"over 1,000 draws of 9 random trials, random search beats the grid "
       f"{np.mean(repeats < grid_best):.0%} of the time")
 
@@ -245,9 +263,11 @@ print(f"over 1,000 draws of 9 random trials, random search beats the grid "
 
 # %%
 def val_loss_1d(u):
-    """A stand-in validation loss against u = log10(learning rate), for u in [-4, -1]."""
+    """A stand-in validation loss against u = log10(learning rate), for u in
+    [-4, -1]."""
     u = np.asarray(u, dtype=float)
-    return 3.0 + 0.35 * (u + 2.3) ** 2 + 0.25 * np.sin(5 * u) + 0.5 * np.exp(3 * (u + 1.3))
+    return (3.0 + 0.35 * (u + 2.3) ** 2 + 0.25 * np.sin(5 * u)
+            + 0.5 * np.exp(3 * (u + 1.3)))
 
 
 U = np.linspace(-4, -1, 301)  # where the surrogate and EI are evaluated: cheap
@@ -260,13 +280,15 @@ def normal_pdf(z):
 
 
 def fit_surrogate(u, f):
-    """A GP fitted to the observations: a Matérn kernel (smooth, not too smooth) times a scale,
-    its length scale fitted to the data; normalize_y centres the losses."""
+    """A GP fitted to the observations: a Matérn kernel (smooth, not too smooth) times
+    a scale, its length scale fitted to the data; normalize_y centres the losses."""
     kernel = ConstantKernel(1.0, (1e-2, 1e2)) * Matern(length_scale=0.5,
-                                                       length_scale_bounds=(0.05, 5), nu=2.5)
-    gp = GaussianProcessRegressor(kernel, alpha=1e-6, normalize_y=True, n_restarts_optimizer=2,
-                                  random_state=0)
-    with warnings.catch_warnings():  # a length scale at its bound, with 3 points, is expected
+                                                       length_scale_bounds=(0.05, 5),
+                                                       nu=2.5)
+    gp = GaussianProcessRegressor(kernel, alpha=1e-6, normalize_y=True,
+                                  n_restarts_optimizer=2, random_state=0)
+    # a length scale at its bound, with 3 points, is expected
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", ConvergenceWarning)
         return gp.fit(np.reshape(u, (-1, 1)), f)
 
@@ -297,7 +319,8 @@ for iteration in range(4):
     top.set(title=f"{len(observed_u)} trials", ylim=(2.5, 6.5))
     bottom.plot(U, ei, "tab:red")
     bottom.set_xlabel("log10(learning rate)")
-    print(f"after {len(observed_u)} trials: expected improvement picks log10(lr) = {proposal:.2f} "
+    print(f"after {len(observed_u)} trials: expected improvement picks "
+          f"log10(lr) = {proposal:.2f} "
           f"(loss {val_loss_1d(proposal):.3f}; best so far {min(observed_f):.3f})")
     observed_u.append(proposal)
     observed_f.append(float(val_loss_1d(proposal)))
@@ -330,7 +353,8 @@ print(f"best after {len(observed_u)} trials: {min(observed_f):.3f}; "
 
 # %%
 def parzen_density(points, at, bandwidth=0.25):
-    """The average of one Gaussian bump per point: a smooth density of where the points are."""
+    """The average of one Gaussian bump per point: a smooth density of where the points
+    are."""
     bumps = np.exp(-0.5 * ((at[:, None] - points[None, :]) / bandwidth) ** 2)
     return bumps.mean(axis=1) / (bandwidth * math.sqrt(2 * math.pi))
 
@@ -345,9 +369,11 @@ l_density, g_density = parzen_density(good, U), parzen_density(bad, U)
 ratio = l_density / g_density
 tpe_proposal = U[ratio.argmax()]
 
-fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5), sharex=True, layout="constrained")
+fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 5), sharex=True,
+                                  layout="constrained")
 top.plot(U, val_loss_1d(U), "k:", label="true loss")
-top.plot(good, val_loss_1d(good), "o", color="tab:green", label=f"good: best {GAMMA:.0%}")
+top.plot(good, val_loss_1d(good), "o", color="tab:green",
+         label=f"good: best {GAMMA:.0%}")
 top.plot(bad, val_loss_1d(bad), "o", color="tab:gray", label="bad: the rest")
 top.set_ylabel("loss")
 top.legend()
@@ -372,12 +398,14 @@ print(f"{n_good} good and {len(bad)} bad trials; l/g is largest at log10(lr) = "
 
 # %%
 def best_so_far_gaps(make_sampler, seeds=range(20), n_trials=30):
-    """For each seed, an in-memory study of val_loss_1d: the gap to the minimum after each trial."""
+    """For each seed, an in-memory study of val_loss_1d: the gap to the minimum after
+    each trial."""
     gaps = []
     for seed in seeds:
         study = optuna.create_study(sampler=make_sampler(seed))
-        study.optimize(lambda trial: float(val_loss_1d(trial.suggest_float("log_lr", -4, -1))),
-                       n_trials=n_trials)
+        study.optimize(
+            lambda trial: float(val_loss_1d(trial.suggest_float("log_lr", -4, -1))),
+            n_trials=n_trials)
         gaps.append(np.minimum.accumulate([t.value for t in study.trials]) - BEST_1D)
     return np.array(gaps)
 
@@ -396,9 +424,12 @@ ax.set(yscale="log", xlabel="trials", ylabel="best so far - true minimum")
 ax.legend()
 plt.show()
 for n in (10, 20, 30):
-    tpe_median, random_median = (np.median(gaps[name][:, n - 1]) for name in ("TPE", "random"))
-    print(f"after {n} trials: median gap TPE {tpe_median:.4f}, random {random_median:.4f}; TPE "
-          f"better for {np.mean(gaps['TPE'][:, n - 1] < gaps['random'][:, n - 1]):.0%} of seeds")
+    tpe_median, random_median = (np.median(gaps[name][:, n - 1])
+                                 for name in ("TPE", "random"))
+    print(f"after {n} trials: median gap TPE {tpe_median:.4f}, "
+          f"random {random_median:.4f}; TPE "
+          f"better for {np.mean(gaps['TPE'][:, n - 1] < gaps['random'][:, n - 1]):.0%} "
+          f"of seeds")
 
 # %% [markdown]
 # For its first 10 trials TPE *is* random search (the same draws, with the same seed); after
@@ -429,20 +460,23 @@ for n in (10, 20, 30):
 
 # %%
 def learning_curve(lr, steps):
-    """A synthetic validation loss after `steps` steps at learning rate lr. It starts at
-    ln(50257) = 10.8, a uniform guess over GPT-2's vocabulary; a larger rate falls faster; the
-    lowest final loss is at lr = 3e-3."""
+    """A synthetic validation loss after `steps` steps at learning rate lr. It starts
+    at ln(50257) = 10.8, a uniform guess over GPT-2's vocabulary; a larger rate falls
+    faster; the lowest final loss is at lr = 3e-3."""
     final = 3.0 + 1.5 * math.log10(lr / 3e-3) ** 2
-    halfway = (3e-3 / lr) ** 0.3  # steps to fall halfway to the final loss: fewer at a larger lr
+    # steps to fall halfway to the final loss: fewer at a larger lr
+    halfway = (3e-3 / lr) ** 0.3
     return final + (10.8 - final) / (1 + steps / halfway)
 
 
-CANDIDATE_LRS = sorted(float(f"{lr:.3g}")  # 27 learning rates, log-uniform in [1e-4, 1e-1]
+# 27 learning rates, log-uniform in [1e-4, 1e-1]
+CANDIDATE_LRS = sorted(float(f"{lr:.3g}")
                        for lr in 10 ** np.random.default_rng(7).uniform(-4, -1, 27))
 print(f"27 learning rates from {CANDIDATE_LRS[0]:g} to {CANDIDATE_LRS[-1]:g}")
 for steps in (1, 9, 81):
     ranked = sorted(CANDIDATE_LRS, key=lambda lr: learning_curve(lr, steps))
-    print(f"the best 3 after {steps:2d} steps: " + ", ".join(f"{lr:g}" for lr in ranked[:3]))
+    print(f"the best 3 after {steps:2d} steps: "
+          + ", ".join(f"{lr:g}" for lr in ranked[:3]))
 
 # %% [markdown]
 # **Exercise 1.** Write `successive_halving(configs, evaluate, min_budget, eta, max_budget)`.
@@ -476,7 +510,8 @@ def successive_halving(configs, evaluate, min_budget, eta, max_budget):
 best, history = successive_halving(CANDIDATE_LRS, learning_curve, 3, 3, 81)
 assert [budget for budget, _ in history] == [3, 9, 27, 81]
 assert [len(losses) for _, losses in history] == [27, 9, 3, 1]
-assert list(history[0][1]) == CANDIDATE_LRS  # every configuration, in order, at the first rung
+# every configuration, in order, at the first rung
+assert list(history[0][1]) == CANDIDATE_LRS
 assert all(loss == learning_curve(lr, budget) for budget, losses in history
            for lr, loss in losses.items())
 assert best in history[-1][1] and set(history[1][1]) <= set(CANDIDATE_LRS)
@@ -491,23 +526,32 @@ def counted(config, budget):
 
 
 best, history = successive_halving(list(range(10, 0, -1)), counted, 2, 2, 10)
-assert best == 1 and [b for b, _ in history] == [2, 4, 8, 10] and len(calls) == 10 + 5 + 2 + 1
+assert (best == 1 and [b for b, _ in history] == [2, 4, 8, 10]
+        and len(calls) == 10 + 5 + 2 + 1)
 assert [len(losses) for _, losses in history] == [10, 5, 2, 1]
 assert set(history[1][1]) == {1, 2, 3, 4, 5}  # the best 10 // 2
 calls.clear()
 best, history = successive_halving(list(range(27)), counted, 4, 3, 20)
-assert [b for b, _ in history] == [4, 12, 20] and [len(l) for _, l in history] == [27, 9, 3]
+assert ([b for b, _ in history] == [4, 12, 20]
+        and [len(l) for _, l in history] == [27, 9, 3])
 assert best == 0 and len(calls) == 39
-# crossing curves: SH keeps the fast starter, and drops "slow", which would end lower (4 + 8/8)
+# crossing curves: SH keeps the fast starter, and drops "slow", which would end lower
+# (4 + 8/8)
 crossing = {"fast": (5.0, 1.0), "slow": (4.0, 8.0), "bad": (9.0, 9.0)}
-best, history = successive_halving(list(crossing), lambda c, b: crossing[c][0] + crossing[c][1] / b,
+best, history = successive_halving(list(crossing),
+                                   lambda c, b: crossing[c][0] + crossing[c][1] / b,
                                    1, 2, 8)
-assert best == "fast" and [list(l) for _, l in history] == [["fast", "slow", "bad"], ["fast"]]
+assert best == "fast" and ([list(l) for _, l in history]
+                           == [["fast", "slow", "bad"], ["fast"]])
 best, history = successive_halving(["a", "b", "c", "d"], lambda c, b: 1.0, 1, 2, 4)
-assert list(history[1][1]) == ["a", "b"] and best == "a"  # ties keep the earlier configuration
-assert successive_halving(["only"], lambda c, b: 2.0, 1, 3, 9) == ("only", [(1, {"only": 2.0})])
-_, history = successive_halving(["a", "b"], lambda c, b: {"a": 1.0, "b": 2.0}[c], 1, 3, 9)
-assert [(b, list(l)) for b, l in history] == [(1, ["a", "b"]), (3, ["a"])]  # 2 // 3 keeps one
+# ties keep the earlier configuration
+assert list(history[1][1]) == ["a", "b"] and best == "a"
+assert (successive_halving(["only"], lambda c, b: 2.0, 1, 3, 9)
+        == ("only", [(1, {"only": 2.0})]))
+_, history = successive_halving(["a", "b"],
+                                lambda c, b: {"a": 1.0, "b": 2.0}[c], 1, 3, 9)
+# 2 // 3 keeps one
+assert [(b, list(l)) for b, l in history] == [(1, ["a", "b"]), (3, ["a"])]
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -518,11 +562,13 @@ best, history = successive_halving(CANDIDATE_LRS, learning_curve, 3, 3, 81)
 fig, ax = plt.subplots(figsize=(8, 4), layout="constrained")
 steps = np.arange(1, 82)
 for lr in CANDIDATE_LRS:
-    ax.plot(steps, [learning_curve(lr, s) for s in steps], color="lightgrey", linewidth=1)
+    ax.plot(steps, [learning_curve(lr, s) for s in steps], color="lightgrey",
+            linewidth=1)
 for rung, (budget, losses) in enumerate(history):
     ax.plot([budget] * len(losses), list(losses.values()), "o", label=f"rung {rung}: "
             f"{len(losses)} x {budget} steps")
-ax.plot(steps, [learning_curve(best, s) for s in steps], "k", label=f"the survivor, lr {best:g}")
+ax.plot(steps, [learning_curve(best, s) for s in steps], "k",
+        label=f"the survivor, lr {best:g}")
 ax.set(xscale="log", xlabel="steps (the budget)", ylabel="validation loss (synthetic)",
        ylim=(2.5, 11))
 ax.legend(fontsize=8)
@@ -530,8 +576,10 @@ plt.show()
 final = {lr: learning_curve(lr, 81) for lr in CANDIDATE_LRS}
 truly_best = min(final, key=final.get)
 spent = sum(budget * len(losses) for budget, losses in history)
-print(f"successive halving: lr {best:g}, final loss {final[best]:.3f}, for {spent} steps; "
-      f"training all 27 to the end: lr {truly_best:g}, final loss {final[truly_best]:.3f}, "
+print(f"successive halving: lr {best:g}, final loss {final[best]:.3f}, "
+      f"for {spent} steps; "
+      f"training all 27 to the end: lr {truly_best:g}, "
+      f"final loss {final[truly_best]:.3f}, "
       f"for {27 * 81} steps")
 print(f"rank of the survivor among the 27 at the end: "
       f"{sorted(final, key=final.get).index(best) + 1}")
@@ -560,7 +608,8 @@ print(f"rank of the survivor among the 27 at the end: "
 # %% nbgrader={"grade": false, "grade_id": "hyperband_brackets", "locked": false, "schema_version": 3, "solution": true, "task": false}
 def hyperband_brackets(min_resource, max_resource, eta):
     ### BEGIN SOLUTION
-    s_max = 0  # the largest s with min_resource * eta**s <= max_resource, in exact arithmetic
+    # the largest s with min_resource * eta**s <= max_resource, in exact arithmetic
+    s_max = 0
     while min_resource * eta ** (s_max + 1) <= max_resource:
         s_max += 1
     return [(math.ceil((s_max + 1) * eta**s / (s + 1)), max_resource / eta**s)
@@ -577,7 +626,8 @@ assert [n for n, _ in hyperband_brackets(1, 9, 3)] == [9, 5, 3]
 assert all(isinstance(n, int) for n, _ in paper)
 ### BEGIN HIDDEN TESTS
 def optuna_hyperband(min_resource, max_resource, eta):
-    """Optuna's own brackets, from its private attributes: fine in a test, not in real code."""
+    """Optuna's own brackets, from its private attributes: fine in a test, not in
+    real code."""
     pruner = optuna.pruners.HyperbandPruner(min_resource, max_resource, eta)
     pruner._try_initialization(optuna.create_study(pruner=pruner))
     return pruner._n_brackets, pruner._trial_allocation_budgets
@@ -585,7 +635,8 @@ def optuna_hyperband(min_resource, max_resource, eta):
 
 from coursekit import exercise
 
-cases = [(2, 6, 3), (1, 27, 3), (2, 20, 3), (1, 100, 2), (5, 100, 4), (4, 20, 3), (3, 81, 3)]
+cases = [(2, 6, 3), (1, 27, 3), (2, 20, 3), (1, 100, 2), (5, 100, 4), (4, 20, 3),
+         (3, 81, 3)]
 optunas = {case: optuna_hyperband(*case) for case in cases}
 # an answer that asks Optuna's pruner for its brackets is not the exercise
 with exercise.own_work(optuna.pruners.HyperbandPruner._try_initialization):
@@ -596,7 +647,8 @@ with exercise.own_work(optuna.pruners.HyperbandPruner._try_initialization):
     twenty = hyperband_brackets(2, 20, 3)
     assert [n for n, _ in twenty] == [9, 5, 3]
     assert all(math.isclose(b, e) for (_, b), e in zip(twenty, [20 / 9, 20 / 3, 20]))
-    assert hyperband_brackets(5, 5, 3) == [(1, 5)] and len(hyperband_brackets(1, 8, 2)) == 4
+    assert (hyperband_brackets(5, 5, 3) == [(1, 5)]
+            and len(hyperband_brackets(1, 8, 2)) == 4)
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -608,7 +660,8 @@ with exercise.own_work(optuna.pruners.HyperbandPruner._try_initialization):
 # %% tags=["demo"]
 for case in [(2, 6, 3), (1, 81, 3), (1, 243, 3)]:
     pruner = optuna.pruners.HyperbandPruner(*case)
-    pruner._try_initialization(optuna.create_study(pruner=pruner))  # private: a look inside
+    # private: a look inside
+    pruner._try_initialization(optuna.create_study(pruner=pruner))
     print(f"min, max, eta = {case}: brackets {hyperband_brackets(*case)}; Optuna makes "
           f"{pruner._n_brackets} brackets")
 print(f"math.log(243, 3) = {math.log(243, 3)!r}")
@@ -650,16 +703,19 @@ finished_u = np.random.default_rng(0).uniform(-4, -1, 12)
 
 
 def four_workers_ask(seeds, constant_liar):
-    """12 finished trials in a shared storage; then 4 workers, each its own TPE sampler, ask for a
-    trial before anyone reports: the log10(lr) each is given."""
+    """12 finished trials in a shared storage; then 4 workers, each its own TPE sampler,
+    ask for a trial before anyone reports: the log10(lr) each is given."""
     storage = optuna.storages.InMemoryStorage()
     study = optuna.create_study(study_name="shared", storage=storage)
     for u in finished_u:
-        study.add_trial(optuna.trial.create_trial(params={"log_lr": u}, distributions=LOG_LR,
+        study.add_trial(optuna.trial.create_trial(params={"log_lr": u},
+                                                  distributions=LOG_LR,
                                                   value=float(val_loss_1d(u))))
     proposals = []
-    for seed in seeds:  # each worker loads the study with its own sampler, as a process would
-        worker = optuna.load_study(study_name="shared", storage=storage, sampler=optuna.samplers
+    # each worker loads the study with its own sampler, as a process would
+    for seed in seeds:
+        worker = optuna.load_study(study_name="shared", storage=storage,
+                                   sampler=optuna.samplers
                                    .TPESampler(seed=seed, constant_liar=constant_liar))
         proposals.append(worker.ask(LOG_LR).params["log_lr"])  # running: not told yet
     return np.array(proposals)
@@ -762,20 +818,24 @@ for rule in ("cubic", "Linear", None):
 
 # %% tags=["demo"]
 std = stages.load("std")  # solutions/train_gpt2_std.py, imported as a module
-perf.keep_freed_cpu_memory()  # as the stage does on a CPU: reuse freed memory, fewer page faults
+# as the stage does on a CPU: reuse freed memory, fewer page faults
+perf.keep_freed_cpu_memory()
 torch.set_num_threads(1)  # the study in the background has the other cores
 SEQ_LEN, TOKENS, BASE_BATCH, LARGE_BATCH = 32, 3072, 64, 512
 BASE_LR, WARMUP_TOKENS = 1e-3, 1024
 
 
 def train_briefly(batch_tokens, lr, warmup_steps):
-    """TOKENS tokens of the std stage's training loop at this global batch, peak learning rate and
-    warm-up: [(tokens seen, training loss)] for every step, and the final validation loss."""
+    """TOKENS tokens of the std stage's training loop at this global batch, peak
+    learning rate and warm-up: [(tokens seen, training loss)] for every step, and the
+    final validation loss."""
     config = gpt.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len,
                            n_layer=tiny.n_layer, n_head=tiny.n_head, n_embd=tiny.n_embd)
-    torch.manual_seed(1337)  # the stage's seed: the same initial weights for every recipe
+    # the stage's seed: the same initial weights for every recipe
+    torch.manual_seed(1337)
     model = gpt.GPT(config)
-    optimizer = std.configure_optimizer(model, lr, tiny.weight_decay, torch.device("cpu"))
+    optimizer = std.configure_optimizer(model, lr, tiny.weight_decay,
+                                        torch.device("cpu"))
     loader = std.TokenShardLoader(DATA, "train", batch_tokens // SEQ_LEN, SEQ_LEN)
     steps, curve = TOKENS // batch_tokens, []
     for step in range(steps):
@@ -790,13 +850,16 @@ def train_briefly(batch_tokens, lr, warmup_steps):
         curve.append(((step + 1) * batch_tokens, loss.item()))
     val_loader = std.TokenShardLoader(DATA, "val", 16, SEQ_LEN)
     cpu = torch.device("cpu")
-    return curve, std.evaluate(model, val_loader, 2, cpu, training.prepare_device(cpu, "fp32"))
+    return curve, std.evaluate(model, val_loader, 2, cpu,
+                               training.prepare_device(cpu, "fp32"))
 
 
-linear_lr, large_warmup = scale_recipe(BASE_LR, BASE_BATCH, LARGE_BATCH, WARMUP_TOKENS, "linear")
+linear_lr, large_warmup = scale_recipe(BASE_LR, BASE_BATCH, LARGE_BATCH, WARMUP_TOKENS,
+                                       "linear")
 sqrt_lr, _ = scale_recipe(BASE_LR, BASE_BATCH, LARGE_BATCH, WARMUP_TOKENS, "sqrt")
 recipes = {  # name: (batch tokens, peak lr, warm-up steps)
-    f"batch {BASE_BATCH}, base lr": (BASE_BATCH, BASE_LR, math.ceil(WARMUP_TOKENS / BASE_BATCH)),
+    f"batch {BASE_BATCH}, base lr": (BASE_BATCH, BASE_LR,
+                                     math.ceil(WARMUP_TOKENS / BASE_BATCH)),
     f"batch {LARGE_BATCH}, same lr": (LARGE_BATCH, BASE_LR, large_warmup),
     f"batch {LARGE_BATCH}, sqrt rule": (LARGE_BATCH, sqrt_lr, large_warmup),
     f"batch {LARGE_BATCH}, linear rule": (LARGE_BATCH, linear_lr, large_warmup),
@@ -804,18 +867,21 @@ recipes = {  # name: (batch tokens, peak lr, warm-up steps)
 }
 started = time.perf_counter()
 results = {name: train_briefly(*recipe) for name, recipe in recipes.items()}
-print(f"{len(recipes)} recipes of {TOKENS:,} tokens in {time.perf_counter() - started:.1f} s")
+print(f"{len(recipes)} recipes of {TOKENS:,} tokens in "
+      f"{time.perf_counter() - started:.1f} s")
 
 # %% tags=["demo"]
 fig, ax = plt.subplots(figsize=(8, 4), layout="constrained")
 for name, (curve, _) in results.items():
     tokens_seen, losses = np.array(curve).T
-    if len(curve) > TOKENS // LARGE_BATCH:  # the small batch: average each 512 tokens, to compare
+    # the small batch: average each 512 tokens, to compare
+    if len(curve) > TOKENS // LARGE_BATCH:
         per_large_step = len(curve) // (TOKENS // LARGE_BATCH)
         tokens_seen = tokens_seen[per_large_step - 1::per_large_step]
         losses = losses.reshape(-1, per_large_step).mean(axis=1)
     ax.plot(tokens_seen, losses, "o-", label=name)
-ax.set(xlabel="tokens seen", ylabel="training loss", title="the same tokens, different recipes")
+ax.set(xlabel="tokens seen", ylabel="training loss",
+       title="the same tokens, different recipes")
 ax.legend()
 plt.show()
 rows = ["| recipe | steps | peak lr | warm-up steps | final validation loss |",
@@ -871,10 +937,12 @@ study_output.close()
 output = (RUNS / "study.out").read_text().splitlines()
 if study_job.returncode != 0:
     raise RuntimeError("the study failed:\n" + "\n".join(output[-30:]))
-print(f"the study took {time.perf_counter() - study_started:.0f} s (and ran while the sections "
-      "above executed)")
-results_lines = ("baseline |", "worker ", "best:", "the preset's")  # not the plotting warnings
-print("\n".join(line for line in output if line.startswith(results_lines) or " trials: " in line))
+print(f"the study took {time.perf_counter() - study_started:.0f} s "
+      "(and ran while the sections above executed)")
+# not the plotting warnings
+results_lines = ("baseline |", "worker ", "best:", "the preset's")
+print("\n".join(line for line in output
+                if line.startswith(results_lines) or " trials: " in line))
 
 # %% [markdown]
 # One line per trial, in the order they ended: the worker, the trial's number and settings, how
@@ -885,21 +953,27 @@ print("\n".join(line for line in output if line.startswith(results_lines) or " t
 # %% tags=["demo"]
 best_json = json.loads((STUDY / "best.json").read_text())
 print(json.dumps(best_json, indent=1))
-trials = pd.read_csv(STUDY / "trials.csv")  # one row per trial; params_<name>, user_attrs_<name>
-rows = ["| trial | state | value | worker | seconds | lr | warm-up | weight decay | batch "
+# one row per trial; params_<name>, user_attrs_<name>
+trials = pd.read_csv(STUDY / "trials.csv")
+rows = ["| trial | state | value | worker | seconds | lr | warm-up | weight decay "
+        "| batch "
         "| layers |",
         "|---|---|---|---|---|---|---|---|---|---|"]
 for _, row in trials.sort_values("number").iterrows():
-    value = "-" if pd.isna(row["value"]) else f"{row['value']:.4f}"  # a pruned trial has none
-    rows.append(f"| {row['number']} | {row['state']} | {value} | {row['user_attrs_worker']} | "
+    # a pruned trial has none
+    value = "-" if pd.isna(row["value"]) else f"{row['value']:.4f}"
+    rows.append(f"| {row['number']} | {row['state']} | {value} | "
+                f"{row['user_attrs_worker']} | "
                 f"{row['user_attrs_seconds']} | {row['params_lr']:.2e} | "
                 f"{row['params_warmup_steps']} | {row['params_weight_decay']:.3f} | "
                 f"{row['params_batch_tokens']} | {row['params_n_layer']} |")
 display(Markdown("\n".join(rows)))
 pruned = (trials["state"] == "PRUNED").mean()
 improvement = best_json["baseline_val_loss"] - best_json["best"]["val_loss"]
-print(f"{(trials['state'] == 'PRUNED').sum()} of {len(trials)} trials pruned ({pruned:.0%}); "
-      f"best trial {best_json['best']['number']}: val {best_json['best']['val_loss']:.4f}, "
+print(f"{(trials['state'] == 'PRUNED').sum()} of {len(trials)} trials pruned "
+      f"({pruned:.0%}); "
+      f"best trial {best_json['best']['number']}: "
+      f"val {best_json['best']['val_loss']:.4f}, "
       f"the preset's recipe {best_json['baseline_val_loss']:.4f} "
       f"({'better' if improvement > 0 else 'not better'} by {abs(improvement):.4f})")
 
@@ -909,7 +983,8 @@ print(f"{(trials['state'] == 'PRUNED').sum()} of {len(trials)} trials pruned ({p
 # The steps the pruner saved, from each trial's own `metrics.jsonl`:
 
 # %% tags=["demo"]
-trained = {int(path.name): len([line for line in (path / "metrics.jsonl").read_text().splitlines()
+trained = {int(path.name): len([line for line
+                                in (path / "metrics.jsonl").read_text().splitlines()
                                 if line.strip()])
            for path in sorted((STUDY / "trials").iterdir())}
 print(f"steps trained per trial: {trained}; {sum(trained.values())} of "
@@ -954,12 +1029,14 @@ plt.show()
 COPY = RUNS / "study-copy"
 COPY.mkdir()
 shutil.copy(STUDY / "journal.log", COPY / "journal.log")
-args = hpo_optuna.parse_args(["--preset", "tiny", "--data", str(DATA), "--study-dir", str(COPY),
-                              "--max-steps", "6", "--eval-interval", "2"])
-study = hpo_optuna.open_study(args, worker=2)  # the driver's own code: storage, sampler, pruner
+args = hpo_optuna.parse_args(["--preset", "tiny", "--data", str(DATA), "--study-dir",
+                              str(COPY), "--max-steps", "6", "--eval-interval", "2"])
+# the driver's own code: storage, sampler, pruner
+study = hpo_optuna.open_study(args, worker=2)
 worker_space = hpo_optuna.search_space(tiny, args.max_steps, args.batch_unit)
 trial = study.ask(worker_space)
-print(f"the study holds {len(study.trials) - 1} trials; the next worker's trial: number "
+print(f"the study holds {len(study.trials) - 1} trials; the next worker's trial: "
+      f"number "
       f"{trial.number}, {hpo_optuna.describe(trial.params)}")
 
 # %% [markdown]
@@ -977,8 +1054,10 @@ trial.set_user_attr("interrupted", True)  # what the worker does on SIGTERM or S
 study.tell(trial, state=optuna.trial.TrialState.FAIL)
 study.enqueue_trial(trial.params, user_attrs={"run_dir": trial.user_attrs["run_dir"]})
 resumed = study.ask(worker_space)
-print(f"interrupted trial {trial.number} -> queued; the next ask gives trial {resumed.number} "
-      f"with the same settings: {resumed.params == trial.params}, and the same run directory: "
+print(f"interrupted trial {trial.number} -> queued; "
+      f"the next ask gives trial {resumed.number} "
+      f"with the same settings: {resumed.params == trial.params}, "
+      f"and the same run directory: "
       f"{resumed.user_attrs['run_dir'] == trial.user_attrs['run_dir']}")
 print(f"trials that count towards --trials: {hpo_optuna.counted_trials(study)} "
       f"(the interrupted one does not)")
@@ -994,7 +1073,8 @@ print(f"trials that count towards --trials: {hpo_optuna.counted_trials(study)} "
 
 # %% tags=["demo"]
 HPO_BATCH = KIT_ROOT / "batchfiles" / "generic" / "batch-hpo-1n1g.sh"
-display(Markdown(f"`{HPO_BATCH.relative_to(KIT_ROOT)}`:\n\n```bash\n{HPO_BATCH.read_text()}```"))
+display(Markdown(f"`{HPO_BATCH.relative_to(KIT_ROOT)}`:\n\n"
+                 f"```bash\n{HPO_BATCH.read_text()}```"))
 
 # %% [markdown]
 # Read it from the top:
@@ -1021,7 +1101,8 @@ display(Markdown(f"`{HPO_BATCH.relative_to(KIT_ROOT)}`:\n\n```bash\n{HPO_BATCH.r
 two_node = sorted((KIT_ROOT / "batchfiles" / "generic").glob("batch-hpo-2n*g.sh"))[0]
 diff = difflib.unified_diff(HPO_BATCH.read_text().splitlines(),
                             two_node.read_text().splitlines(), lineterm="", n=0)
-changes = [line for line in diff if line[:1] in "+-" and not line.startswith(("+++", "---"))]
+changes = [line for line in diff
+           if line[:1] in "+-" and not line.startswith(("+++", "---"))]
 print(f"{HPO_BATCH.name} -> {two_node.name}:\n" + "\n".join(changes))
 
 # %% [markdown]
@@ -1039,17 +1120,22 @@ print(f"{HPO_BATCH.name} -> {two_node.name}:\n" + "\n".join(changes))
 
 # %% tags=["cluster", "demo", "remove-output"]
 SITE = "generic"  # your site's folder in batchfiles/
-SUBMIT = False  # True to submit from this notebook, on a cluster, once the site's files exist
+# True to submit from this notebook, on a cluster, once the site's files exist
+SUBMIT = False
 batch_file = f"batchfiles/{SITE}/batch-hpo-1n1g.sh"
 if not (KIT_ROOT / batch_file).exists():
-    raise FileNotFoundError(f"{batch_file}: generate it with python -m coursekit batchfiles "
-                            f"--site {SITE}")
+    raise FileNotFoundError(f"{batch_file}: generate it with python -m coursekit "
+                            f"batchfiles --site {SITE}")
 # the study's flags, as the batch file passes them to the driver
 flags = dict(re.findall(r"(--preset|--data|--study-dir) (\S+)",
                        (KIT_ROOT / batch_file).read_text()))
-commands = [["sbatch", "--parsable", "--array=0-7%4", batch_file],  # 8 workers, 4 at a time
-            ["squeue", "--me", "--array"],  # one line per array task: pending, running, ...
-            ["sacct", "--format=JobID%20,JobName,State,Elapsed,ExitCode", "-j"]]  # + the job id
+commands = [
+    # 8 workers, 4 at a time
+    ["sbatch", "--parsable", "--array=0-7%4", batch_file],
+    # one line per array task: pending, running, ...
+    ["squeue", "--me", "--array"],
+    # + the job id
+    ["sacct", "--format=JobID%20,JobName,State,Elapsed,ExitCode", "-j"]]
 if SUBMIT and shutil.which("sbatch"):
     job_id = subprocess.run(commands[0], cwd=KIT_ROOT, capture_output=True, text=True,
                             check=True).stdout.strip().split(";")[0]
@@ -1061,8 +1147,9 @@ else:
     print("Not submitting (no Slurm here, or SUBMIT = False). From the kit's root:")
     for command in commands:
         print("  " + " ".join(command) + (" <job id>" if command[0] == "sacct" else ""))
-    print("  python solutions/hpo_optuna.py " + " ".join(f"{flag} {value}" for flag, value in
-                                                      flags.items()) + " --results-only")
+    print("  python solutions/hpo_optuna.py "
+          + " ".join(f"{flag} {value}" for flag, value in flags.items())
+          + " --results-only")
 
 # %% [markdown]
 # `--results-only` writes `best.json`, `trials.csv` and the plots from the journal without

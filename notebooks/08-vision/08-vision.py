@@ -50,14 +50,6 @@
 # chokes on a million small files. This lesson measures where the time goes.
 
 # %%
-import collections
-import io
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
-
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
@@ -67,18 +59,34 @@ from IPython.display import Markdown, display
 from coursekit import KIT_ROOT, images, launch, pipeline, runs, stages, training
 from solutions.resnet import ResNet
 
+# %% [markdown]
+# The set-up: the standard library's modules the lesson uses, the kit's images (drawn once,
+# in seconds), the lesson's stage script, the device, and a fresh folder for everything the
+# lesson writes.
+
+# %%
+import collections
+import io
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
 DATA = KIT_ROOT / "data" / "shapes"
 if not (DATA / "meta.json").exists():  # the kit's images: drawn in seconds, once
     images.prepare(DATA, files=True)
 META = images.read_meta(DATA)
-stage = stages.load_script(KIT_ROOT / "solutions" / "train_resnet_ddp.py")  # the lesson's stage
+# the lesson's stage
+stage = stages.load_script(KIT_ROOT / "solutions" / "train_resnet_ddp.py")
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 RUNS = Path("runs")  # what this lesson writes
 shutil.rmtree(RUNS, ignore_errors=True)
 RUNS.mkdir()
 torch.manual_seed(0)
 print(f"{len(META['classes'])} classes, {META['size']} x {META['size']} pixels, "
-      f"{META['splits']['train']['images']:,} training and {META['splits']['val']['images']:,} "
+      f"{META['splits']['train']['images']:,} training and "
+      f"{META['splits']['val']['images']:,} "
       f"validation images; device: {DEVICE}")
 
 # %% [markdown]
@@ -129,10 +137,11 @@ plt.show()
 
 # %%
 def batches_of(layout, workers=0, batch_size=64, augment="device"):
-    """The stage's training batches for one process, as its command-line flags would make them."""
-    args = stage.parse_args(["--data", str(DATA), "--layout", layout, "--workers", str(workers),
-                             "--batch-size", str(batch_size), "--augment", augment,
-                             "--out", str(RUNS / "unused")])
+    """The stage's training batches for one process, as its command-line flags would
+    make them."""
+    args = stage.parse_args(["--data", str(DATA), "--layout", layout, "--workers",
+                             str(workers), "--batch-size", str(batch_size), "--augment",
+                             augment, "--out", str(RUNS / "unused")])
     return stage.make_batches(args, rank=0, world_size=1, device=DEVICE)
 
 
@@ -148,11 +157,13 @@ for layout in ("files", "shards"):
                                          if Path(p).is_relative_to(DATA))
     print(f"{layout:6s}: 512 images, files opened: "
           + ", ".join(f"{n:,} {suffix}" for suffix, n in opened[layout].items()))
-sizes = {layout: sum(p.stat().st_size for p in (DATA / layout).rglob("*") if p.is_file())
+sizes = {layout: sum(p.stat().st_size for p in (DATA / layout).rglob("*")
+                     if p.is_file())
          for layout in ("files", "shards")}
 print(f"on disk: files {sizes['files'] / 1e6:.1f} MB in "
       f"{sum(1 for _ in (DATA / 'files').rglob('*.jpg')):,} files; shards "
-      f"{sizes['shards'] / 1e6:.1f} MB in {len(list((DATA / 'shards').glob('*.tar')))} files")
+      f"{sizes['shards'] / 1e6:.1f} MB in "
+      f"{len(list((DATA / 'shards').glob('*.tar')))} files")
 
 # %% [markdown]
 # (The `.json` is the data set's `meta.json`, which lists the shards.) The shards stream: a few
@@ -196,8 +207,8 @@ assert shards_for_reader(SHARDS, 1, 2, 0, 1) == SHARDS[1::2]
 assert shards_for_reader(SHARDS, 0, 2, 1, 2) == ["train-000002.tar", "train-000006.tar"]
 ### BEGIN HIDDEN TESTS
 def dealt_by_webdataset(shards, rank, world_size, worker, workers):
-    """What WebDataset's own splitters deal, told the reader's place through the variables
-    they read."""
+    """What WebDataset's own splitters deal, told the reader's place through the
+    variables they read."""
     saved = os.environ.copy()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), WORKER=str(worker),
                       NUM_WORKERS=str(workers))
@@ -208,14 +219,17 @@ def dealt_by_webdataset(shards, rank, world_size, worker, workers):
         os.environ.update(saved)
 
 
-for count, world_size, workers in [(8, 2, 2), (12, 3, 2), (7, 2, 3), (5, 1, 4), (16, 4, 1)]:
+for count, world_size, workers in [(8, 2, 2), (12, 3, 2), (7, 2, 3), (5, 1, 4),
+                                   (16, 4, 1)]:
     shards = [f"s{i}" for i in range(count)]
     readers = [shards_for_reader(shards, r, world_size, w, workers)
                for r in range(world_size) for w in range(workers)]
     assert readers == [dealt_by_webdataset(shards, r, world_size, w, workers)
                        for r in range(world_size) for w in range(workers)]
-    assert sorted(s for reader in readers for s in reader) == sorted(shards)  # each once
-assert shards_for_reader(tuple(SHARDS), 1, 2, 0, 2) == ["train-000001.tar", "train-000005.tar"]
+    assert (sorted(s for reader in readers for s in reader)
+            == sorted(shards))  # each once
+assert shards_for_reader(tuple(SHARDS), 1, 2, 0, 2) == ["train-000001.tar",
+                                                        "train-000005.tar"]
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -276,23 +290,30 @@ timings = {  # ms for the batch: the fastest of 3 runs of each stage
                                            for p, _ in batch_rows], 3),
     "decode": pipeline.milliseconds(lambda: [stage.decode(io.BytesIO(d))
                                              for d in encoded], 3),
-    "augment, per image (CPU)": pipeline.milliseconds(lambda: [on_cpu(p) for p in pixels], 3),
+    "augment, per image (CPU)": pipeline.milliseconds(
+        lambda: [on_cpu(p) for p in pixels], 3),
     "collate": pipeline.milliseconds(lambda: torch.stack(pixels), 3),
-    "copy to the device": pipeline.milliseconds(lambda: moved.to(DEVICE, non_blocking=True), 3),
+    "copy to the device": pipeline.milliseconds(
+        lambda: moved.to(DEVICE, non_blocking=True), 3),
     "augment, the batch (device)": pipeline.milliseconds(
         lambda: stage.to_inputs(moved, DEVICE, on_device), 3),
     "compute (forward, backward, step)": pipeline.milliseconds(
-        lambda: stage.train_step(model, optimizer, precision, inputs, labels.to(DEVICE)), 3),
+        lambda: stage.train_step(model, optimizer, precision, inputs,
+                                 labels.to(DEVICE)), 3),
 }
-rows = "\n".join(f"| {name} | {ms:.1f} | {BATCH / ms * 1000:,.0f} |" for name, ms in timings.items())
+rows = "\n".join(f"| {name} | {ms:.1f} | {BATCH / ms * 1000:,.0f} |"
+                 for name, ms in timings.items())
 display(Markdown("| stage | ms per batch of 64 | images/s if it were the only stage |\n"
                  f"|---|---:|---:|\n{rows}"))
 cpu_side = ["read", "decode", "augment, per image (CPU)", "collate"]
 slowest_cpu = max(cpu_side, key=timings.get)
-print(f"The slowest stage here is '{max(timings, key=timings.get)}'. Of the loader's stages, "
-      f"'{slowest_cpu}' takes {timings[slowest_cpu] / sum(timings[s] for s in cpu_side):.0%} of "
+print(f"The slowest stage here is '{max(timings, key=timings.get)}'. "
+      f"Of the loader's stages, "
+      f"'{slowest_cpu}' takes "
+      f"{timings[slowest_cpu] / sum(timings[s] for s in cpu_side):.0%} of "
       f"their time; augmenting the batch on the device takes "
-      f"{timings['augment, the batch (device)'] / timings['augment, per image (CPU)']:.0%} of "
+      f"""{timings['augment, the batch (device)']
+           / timings['augment, per image (CPU)']:.0%} of """
       "augmenting image by image on the CPU.")
 
 # %% [markdown]
@@ -332,8 +353,10 @@ def predicted_images_per_s(loader_ms, main_ms, batch_size, workers):
 assert abs(predicted_images_per_s(30, 10, 64, 0) - 1600) < 1e-6
 assert abs(predicted_images_per_s(30, 10, 64, 1) - 64 / 0.030) < 1e-6
 ### BEGIN HIDDEN TESTS
-assert abs(predicted_images_per_s(30, 10, 64, 3) - 6400) < 1e-6  # loader and main balanced
-assert abs(predicted_images_per_s(30, 10, 64, 6) - 6400) < 1e-6  # more workers: main-bound
+# loader and main balanced
+assert abs(predicted_images_per_s(30, 10, 64, 3) - 6400) < 1e-6
+# more workers: main-bound
+assert abs(predicted_images_per_s(30, 10, 64, 6) - 6400) < 1e-6
 assert abs(predicted_images_per_s(40, 10, 128, 2) - 6400) < 1e-6
 assert abs(predicted_images_per_s(5, 20, 32, 0) - 1280) < 1e-6
 assert abs(predicted_images_per_s(5, 20, 32, 1) - 1600) < 1e-6
@@ -358,7 +381,8 @@ for workers in WORKERS:
     del loader
 predicted = {w: predicted_images_per_s(loader_ms, copy_ms, BATCH, w) for w in WORKERS}
 cores = len(os.sched_getaffinity(0))
-display(Markdown("| loader workers | predicted images/s | measured images/s |\n|---:|---:|---:|\n"
+display(Markdown("| loader workers | predicted images/s | measured images/s |\n"
+                 "|---:|---:|---:|\n"
                  + "\n".join(f"| {w} | {predicted[w]:,.0f} | {measured[w]:,.0f} |"
                              for w in WORKERS)))
 print(f"{cores} core(s) here. From 0 to {WORKERS[-1]} workers the loader went "
@@ -396,9 +420,11 @@ for augment in ("cpu", "device"):
     moved_rate[augment] = pipeline.samples_per_second(
         loader, batches=6, work=lambda x, y: stage.to_inputs(x, DEVICE, on_device))
     del loader
-print(f"1 worker, augmenting in the worker: {moved_rate['cpu']:,.0f} images/s; decoding in the "
+print(f"1 worker, augmenting in the worker: {moved_rate['cpu']:,.0f} images/s; "
+      f"decoding in the "
       f"worker and augmenting the batch on the device ({DEVICE.type}): "
-      f"{moved_rate['device']:,.0f} images/s, {moved_rate['device'] / moved_rate['cpu']:.1f}x.")
+      f"{moved_rate['device']:,.0f} images/s, "
+      f"{moved_rate['device'] / moved_rate['cpu']:.1f}x.")
 
 # %% [markdown]
 # (With the augmentation on the CPU, `to_inputs` finds floats and only normalises them; with it on
@@ -424,21 +450,23 @@ print(f"1 worker, augmenting in the worker: {moved_rate['cpu']:,.0f} images/s; d
 
 # %% tags=["demo"]
 STEPS, GLOBAL_BATCH = 120, 64
-RUN_FLAGS = ["--data", str(DATA), "--layout", "shards", "--workers", "1", "--width", "8",
-             "--lr", "0.05", "--max-steps", str(STEPS), "--eval-interval", str(STEPS // 3),
-             "--ckpt-interval", str(STEPS)]
+RUN_FLAGS = ["--data", str(DATA), "--layout", "shards", "--workers", "1", "--width",
+             "8", "--lr", "0.05", "--max-steps", str(STEPS), "--eval-interval",
+             str(STEPS // 3), "--ckpt-interval", str(STEPS)]
 NPROC = 2
-RUN_DEVICE = "auto" if torch.cuda.device_count() >= NPROC else "cpu"  # ranks cannot share a GPU
+# ranks cannot share a GPU
+RUN_DEVICE = "auto" if torch.cuda.device_count() >= NPROC else "cpu"
 
 
 def train(name, processes):
-    """The stage on `processes` processes (torchrun for more than one), GLOBAL_BATCH images a
-    step between them; its metrics."""
+    """The stage on `processes` processes (torchrun for more than one), GLOBAL_BATCH
+    images a step between them; its metrics."""
     out = RUNS / name
     launcher = launch.torchrun(processes) if processes > 1 else [sys.executable]
-    command = [*launcher, str(KIT_ROOT / "solutions" / "train_resnet_ddp.py"), *RUN_FLAGS,
-               "--batch-size", str(GLOBAL_BATCH // processes),
-               "--device", RUN_DEVICE if processes > 1 else DEVICE.type, "--out", str(out)]
+    command = [*launcher, str(KIT_ROOT / "solutions" / "train_resnet_ddp.py"),
+               *RUN_FLAGS, "--batch-size", str(GLOBAL_BATCH // processes),
+               "--device", RUN_DEVICE if processes > 1 else DEVICE.type, "--out",
+               str(out)]
     result = subprocess.run(command, capture_output=True, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     if result.returncode != 0:
@@ -452,7 +480,8 @@ one, two = train("ddp-1", 1), train(f"ddp-{NPROC}", NPROC)
 
 # %% tags=["demo"]
 def median(metrics, key, skip=5):
-    """The median over the steps after the first few (start-up, the workers' first batches)."""
+    """The median over the steps after the first few (start-up, the workers' first
+    batches)."""
     return float(np.median([r[key] for r in metrics[skip:]]))
 
 
@@ -467,12 +496,14 @@ for name, metrics in (("1 process", one), (f"{NPROC} processes", two)):
     accuracy = ", ".join(f"{r['val_acc']:.0%} at step {r['step']}" for r in metrics
                          if "val_acc" in r)
     print(f"{name}: {median(metrics, 'images_per_s'):,.0f} images/s, a step "
-          f"{median(metrics, 'ms'):.0f} ms of which {median(metrics, 'wait_ms'):.1f} ms waiting "
+          f"{median(metrics, 'ms'):.0f} ms of which "
+          f"{median(metrics, 'wait_ms'):.1f} ms waiting "
           f"for its batch; validation accuracy {accuracy} (chance: "
           f"{1 / len(META['classes']):.0%})")
-# What this shows is checked too (the kit's tests run the lesson under nbval): the 2 processes,
-# each reading its own shards with its loader worker and augmenting on the device, learned the
-# shapes well above chance, timed every step, and kept the last step's checkpoint.
+# What this shows is checked too (the kit's tests run the lesson under nbval): the 2
+# processes, each reading its own shards with its loader worker and augmenting on the
+# device, learned the shapes well above chance, timed every step, and kept the last
+# step's checkpoint.
 assert [r["step"] for r in two] == list(range(1, STEPS + 1))
 assert two[-1]["val_acc"] > 0.3, two[-1]
 assert all(r["images_per_s"] > 0 and 0 <= r["wait_ms"] <= r["ms"] for r in two)
@@ -536,11 +567,13 @@ with torch.no_grad():
 layer.weight.grad = torch.tensor([[0.0, 2.0]])  # norm 2
 layer.bias.grad = torch.tensor([1.0])
 ratios = trust_ratios(layer, weight_decay=0.0)
-assert list(ratios) == ["weight", "bias"] and all(isinstance(r, float) for r in ratios.values())
+assert list(ratios) == ["weight", "bias"] and all(isinstance(r, float)
+                                                  for r in ratios.values())
 assert abs(ratios["weight"] - 0.001 * 5 / 2) < 1e-12
 assert ratios["bias"] == 1.0  # its weights are zero
 ### BEGIN HIDDEN TESTS
-assert abs(trust_ratios(layer, 0.1, eta=0.01)["weight"] - 0.01 * 5 / (2 + 0.5)) < 1e-12
+assert abs(trust_ratios(layer, 0.1, eta=0.01)["weight"]
+           - 0.01 * 5 / (2 + 0.5)) < 1e-12
 layer.weight.grad = torch.zeros(1, 2)
 assert trust_ratios(layer, 0.1)["weight"] == 1.0  # no gradient to scale by
 torch.manual_seed(808)  # the hidden tests' own network
@@ -548,12 +581,15 @@ net = ResNet(3, width=4)
 net(torch.randn(2, 3, 8, 8)).sum().backward()
 net.head[2].bias.grad = None  # a parameter without a gradient is left out
 got = trust_ratios(net, 5e-4)
-norms = {name: (p.norm().item(), p.grad.norm().item()) for name, p in net.named_parameters()
-         if p.grad is not None}  # the batch norms' biases start at zero: ratio 1.0
+# the batch norms' biases start at zero: ratio 1.0
+norms = {name: (p.norm().item(), p.grad.norm().item())
+         for name, p in net.named_parameters()
+         if p.grad is not None}
 expected = {name: 0.001 * w / (g + 5e-4 * w) if w > 0 and g > 0 else 1.0
             for name, (w, g) in norms.items()}
 assert list(got) == list(expected) and "head.2.bias" not in got
-assert all(abs(got[name] - expected[name]) <= 1e-9 * expected[name] for name in expected)
+assert all(abs(got[name] - expected[name]) <= 1e-9 * expected[name]
+           for name in expected)
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -563,18 +599,22 @@ assert all(abs(got[name] - expected[name]) <= 1e-9 * expected[name] for name in 
 
 # %% tags=["demo"]
 def weight_ratios(network, pixels, labels):
-    """Trust ratios of the convolution and linear weights, after a backward pass of one batch."""
+    """Trust ratios of the convolution and linear weights, after a backward pass of one
+    batch."""
     network.zero_grad()
     torch.nn.functional.cross_entropy(network(stage.to_inputs(pixels, "cpu", None)),
                                       labels).backward()
     weights = {name for name, p in network.named_parameters() if p.dim() >= 2}
-    return {name: r for name, r in trust_ratios(network, 5e-4).items() if name in weights}
+    return {name: r for name, r in trust_ratios(network, 5e-4).items()
+            if name in weights}
 
 
 x, y = next(iter(batches_of("files", 0, 64)))
 torch.manual_seed(0)
-networks = {"at initialisation": stage.make_model("kit", len(META["classes"]), 8, META["size"]),
-            f"after {STEPS} steps": stage.make_model("kit", len(META["classes"]), 8, META["size"])}
+networks = {"at initialisation": stage.make_model("kit", len(META["classes"]), 8,
+                                                  META["size"]),
+            f"after {STEPS} steps": stage.make_model("kit", len(META["classes"]), 8,
+                                                     META["size"])}
 networks[f"after {STEPS} steps"].load_state_dict(
     runs.load_checkpoint(RUNS / f"ddp-{NPROC}")[1]["model"])
 fig, ax = plt.subplots(figsize=(7, 3.2))
@@ -582,7 +622,8 @@ for when, network in networks.items():
     ratios = weight_ratios(network, x, y)
     ax.semilogy(range(len(ratios)), list(ratios.values()), "o-", label=when)
     low, high = min(ratios, key=ratios.get), max(ratios, key=ratios.get)
-    print(f"{when}: {len(ratios)} weights, trust ratios from {ratios[low]:.2g} ({low}) to "
+    print(f"{when}: {len(ratios)} weights, trust ratios from {ratios[low]:.2g} ({low}) "
+          f"to "
           f"{ratios[high]:.2g} ({high}), a factor of {ratios[high] / ratios[low]:.0f}")
 ax.set(xlabel="layer, input to output", ylabel="trust ratio (log scale)",
        title="LARS trust ratios of the ResNet's weights")

@@ -49,6 +49,18 @@
 # that a language model answers from.
 
 # %%
+import matplotlib.pyplot as plt
+import numpy as np
+import ray
+from IPython.display import Markdown, display
+
+from coursekit import KIT_ROOT, exercise, rag, raycluster
+
+# %% [markdown]
+# The set-up: the standard library's modules the lesson uses, a fresh folder for what the
+# lesson writes, and the kit's documents and questions that the retrieval part searches.
+
+# %%
 import collections
 import logging
 import os
@@ -59,13 +71,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-import matplotlib.pyplot as plt
-import numpy as np
-import ray
-from IPython.display import Markdown, display
-
-from coursekit import KIT_ROOT, exercise, rag, raycluster
 
 RUNS = Path("runs")  # what this lesson writes
 shutil.rmtree(RUNS, ignore_errors=True)
@@ -115,7 +120,8 @@ print(f"8 tasks of 0.2 s in {time.perf_counter() - started:.2f} s on "
       f"({ray.cluster_resources()['CPU']:.0f} "
       f"CPUs); squares {[square for square, _, _ in results]}")
 tally = Tally.remote()
-print("the actor has seen", ray.get([tally.add.remote(square) for square, _, _ in results])[-1],
+print("the actor has seen",
+      ray.get([tally.add.remote(square) for square, _, _ in results])[-1],
       "values")
 
 # %% [markdown]
@@ -209,7 +215,8 @@ for question in QUESTIONS[:2] + QUESTIONS[100:102]:
 # %%
 SIZES = [32, 64, 128, 256]
 CHUNKS = {size: rag.chunk(CORPUS, size) for size in SIZES}
-print(", ".join(f"{size} tokens: {len(chunks):,} chunks" for size, chunks in CHUNKS.items()))
+print(", ".join(f"{size} tokens: {len(chunks):,} chunks"
+                for size, chunks in CHUNKS.items()))
 print(CHUNKS[64][1000].text)
 
 # %% [markdown]
@@ -237,13 +244,15 @@ print(CHUNKS[64][1000].text)
 # model once. This is what `solutions/ray_embed.py` runs, on this machine's local Ray:
 
 # %% tags=["demo"]
-from solutions import ray_embed  # noqa: E402  (the Ray Data script: its Embedder, its pipeline)
+# the Ray Data script: its Embedder, its pipeline
+from solutions import ray_embed  # noqa: E402
 
 EMBEDDER = KIT_ROOT / "models" / "kit-embed"
 if not (EMBEDDER / "modules.json").exists():  # made by `make`; here too, once
     subprocess.run(["make", "models/kit-embed/modules.json"], cwd=KIT_ROOT, check=True)
 
-logging.getLogger("ray.data").setLevel(logging.WARNING)  # its progress lines: the batch job's
+# its progress lines: the batch job's
+logging.getLogger("ray.data").setLevel(logging.WARNING)
 settings = ray_embed.parse_args(["--embedder", str(EMBEDDER), "--workers", "2"])
 started = time.perf_counter()
 vectors = ray_embed.embed_with_ray_data(CHUNKS[64], settings)
@@ -251,7 +260,8 @@ seconds = time.perf_counter() - started
 model = rag.embedder(EMBEDDER)
 alone = rag.embed(model, [c.text for c in CHUNKS[64]])
 print(f"Ray Data: {len(vectors):,} chunks embedded by 2 replicas in {seconds:.1f} s, "
-      f"{vectors.shape[1]} numbers each; the largest difference from embedding them here, in "
+      f"{vectors.shape[1]} numbers each; "
+      f"the largest difference from embedding them here, in "
       f"one process: {np.abs(vectors - alone).max():.1e}")
 ray.shutdown()  # the lesson needs Ray no more: its processes go
 
@@ -287,7 +297,8 @@ with exercise.own_work(rag.mean_reciprocal_rank):
     assert abs(mean_reciprocal_rank([3]) - 1 / 3) < 1e-12
     assert abs(mean_reciprocal_rank(r for r in [2, 5]) - 0.35) < 1e-12  # any iterable
     mixed = [None, 1, 7, 10, 2, None, 3, 1, 1, 9]
-    assert abs(mean_reciprocal_rank(mixed) - sum(1 / r for r in mixed if r) / 10) < 1e-12
+    assert abs(mean_reciprocal_rank(mixed)
+               - sum(1 / r for r in mixed if r) / 10) < 1e-12
     ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -308,22 +319,24 @@ for size, chunks in CHUNKS.items():
 rows = [f"| {name} | {size} | {s['mrr']:.3f} | "
         + " | ".join(f"{s['recall'][k]:.2f}" for k in KS) + " |"
         for (name, size), s in scores.items()]
-display(Markdown("| retriever | chunk tokens | MRR@10 | " + " | ".join(f"recall@{k}" for k in KS)
+display(Markdown("| retriever | chunk tokens | MRR@10 | "
+                 + " | ".join(f"recall@{k}" for k in KS)
                  + " |\n|---|---|---|" + "---|" * len(KS) + "\n" + "\n".join(rows)))
 fig, axes = plt.subplots(1, 2, figsize=(10, 3.4))
 for name in retrievers:
     axes[0].plot(SIZES, [scores[name, s]["mrr"] for s in SIZES], "o-", label=name)
     axes[1].plot(SIZES, [scores[name, s]["recall"][5] for s in SIZES], "o-", label=name)
 for ax, what in zip(axes, ["MRR@10", "recall@5"]):
-    ax.set(xscale="log", xticks=SIZES, xticklabels=SIZES, xlabel="chunk tokens", ylabel=what,
-           ylim=(0, 1))
+    ax.set(xscale="log", xticks=SIZES, xticklabels=SIZES, xlabel="chunk tokens",
+           ylabel=what, ylim=(0, 1))
 axes[0].legend()
 plt.show()
 best = max(scores, key=lambda key: scores[key]["mrr"])
 baseline = scores["random", best[1]]["mrr"]
-print(f"best: {best[0]} on chunks of {best[1]} tokens, MRR {scores[best]['mrr']:.3f} and recall@5 "
-      f"{scores[best]['recall'][5]:.2f}; random chunks of that size: MRR {baseline:.4f}, a margin "
-      f"of {scores[best]['mrr'] - baseline:.3f}")
+print(f"best: {best[0]} on chunks of {best[1]} tokens, MRR {scores[best]['mrr']:.3f} "
+      f"and recall@5 {scores[best]['recall'][5]:.2f}; "
+      f"random chunks of that size: MRR {baseline:.4f}, "
+      f"a margin of {scores[best]['mrr'] - baseline:.3f}")
 # on questions that name their terms, the small embedder is behind BM25 at its best
 assert best[0] == "BM25", best
 
@@ -359,8 +372,10 @@ def best_chunk_size(recall, passage_tokens):
 
 
 # %% nbgrader={"grade": true, "grade_id": "best_chunk_size_tests", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
-table = {32: [0.3, 0.5, 0.6, 0.7], 64: [0.45, 0.6, 0.7, 0.75], 128: [0.55, 0.7, 0.8, 0.85]}
-assert best_chunk_size(table, 64) == (32, 2)    # 0.5 for two of 32 tokens, 0.45 for one of 64
+table = {32: [0.3, 0.5, 0.6, 0.7], 64: [0.45, 0.6, 0.7, 0.75],
+         128: [0.55, 0.7, 0.8, 0.85]}
+# 0.5 for two of 32 tokens, 0.45 for one of 64
+assert best_chunk_size(table, 64) == (32, 2)
 assert best_chunk_size(table, 128) == (32, 4)
 ### BEGIN HIDDEN TESTS
 assert best_chunk_size(table, 1000) == (128, 4)  # every list runs out: recall@4 each
@@ -398,7 +413,8 @@ def token_f1(prediction, reference):
     ### BEGIN SOLUTION
     predicted = re.findall(r"\w+", prediction.lower())
     expected = re.findall(r"\w+", reference.lower())
-    shared = sum((collections.Counter(predicted) & collections.Counter(expected)).values())
+    shared = sum((collections.Counter(predicted)
+                  & collections.Counter(expected)).values())
     if shared == 0:
         return 0.0
     precision, recall = shared / len(predicted), shared / len(expected)
@@ -411,7 +427,8 @@ with exercise.own_work(rag.token_f1):
     assert token_f1("Return a list.", "return a list") == 1.0
     assert token_f1("dict", "Return a list.") == 0.0
     ### BEGIN HIDDEN TESTS
-    assert abs(token_f1("the cat the", "the the dog") - 2 / 3) < 1e-12  # "the" twice in both
+    # "the" twice in both
+    assert abs(token_f1("the cat the", "the the dog") - 2 / 3) < 1e-12
     assert abs(token_f1("a b c d", "a b") - 2 * 0.5 * 1.0 / 1.5) < 1e-12
     assert isinstance(token_f1("x", "x"), float) and token_f1("", "anything") == 0.0
     assert token_f1("Serialize_obj, to JSON!", "serialize_obj to json") == 1.0
@@ -420,11 +437,16 @@ with exercise.own_work(rag.token_f1):
 # %% tags=["demo"]
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
-LESSON_05_MODEL = KIT_ROOT / "notebooks" / "05-llm-finetuning" / "runs" / "lora-single" / "model"
-if not (LESSON_05_MODEL / "config.json").exists():  # lesson 05 not run here: its fine-tuning, once
-    result = subprocess.run([sys.executable, KIT_ROOT / "solutions" / "finetune_lora.py",
-                             "--preset", "tiny", "--model", KIT_ROOT / "models" / "kit-tiny",
-                             "--data", KIT_ROOT / "data" / "instruct", "--out", RUNS / "lesson-05",
+LESSON_05_MODEL = (KIT_ROOT / "notebooks" / "05-llm-finetuning" / "runs" / "lora-single"
+                   / "model")
+# lesson 05 not run here: its fine-tuning, once
+if not (LESSON_05_MODEL / "config.json").exists():
+    result = subprocess.run([sys.executable,
+                             KIT_ROOT / "solutions" / "finetune_lora.py",
+                             "--preset", "tiny", "--model",
+                             KIT_ROOT / "models" / "kit-tiny",
+                             "--data", KIT_ROOT / "data" / "instruct", "--out",
+                             RUNS / "lesson-05",
                              "--eval-interval", "125", "--eval-examples", "50"],
                             capture_output=True, text=True)
     if result.returncode != 0:
@@ -437,13 +459,17 @@ ANSWER_TOKENS = 24
 PROMPT_TOKENS = reader.config.n_positions - ANSWER_TOKENS
 bare = max(len(tokenizer(rag.prompt_for(q, [], tokenizer, PROMPT_TOKENS))["input_ids"])
            for q in QUESTIONS)
-PASSAGE_TOKENS = PROMPT_TOKENS - bare - 8  # the input's heading and a title's few tokens
-recall = {size: [rag.recall_at(rag.first_relevant_ranks(rag.BM25(chunks), chunks, QUESTIONS,
-                                                          DEPTH), k) for k in range(1, DEPTH + 1)]
+# the input's heading and a title's few tokens
+PASSAGE_TOKENS = PROMPT_TOKENS - bare - 8
+recall = {size: [rag.recall_at(rag.first_relevant_ranks(rag.BM25(chunks), chunks,
+                                                          QUESTIONS, DEPTH), k)
+                 for k in range(1, DEPTH + 1)]
           for size, chunks in CHUNKS.items()}
 SIZE, K = best_chunk_size(recall, PASSAGE_TOKENS)
-print(f"{reader.config.n_positions} positions: {PASSAGE_TOKENS} tokens for passages, which "
-      f"recall best as {K} chunk(s) of {SIZE} tokens (recall@{K} {recall[SIZE][K - 1]:.2f})")
+print(f"{reader.config.n_positions} positions: {PASSAGE_TOKENS} tokens for passages, "
+      f"which "
+      f"recall best as {K} chunk(s) of {SIZE} tokens "
+      f"(recall@{K} {recall[SIZE][K - 1]:.2f})")
 
 # %% tags=["demo"]
 retrieved = rag.BM25(CHUNKS[SIZE]).search([q.text for q in QUESTIONS], K)
@@ -452,19 +478,23 @@ contexts = {"no retrieval": [[] for _ in QUESTIONS],
                                            for found in retrieved]}
 rows, extractive = [], {}
 for name, passages in contexts.items():
-    prompts = [rag.prompt_for(q, p, tokenizer, PROMPT_TOKENS) for q, p in zip(QUESTIONS, passages)]
+    prompts = [rag.prompt_for(q, p, tokenizer, PROMPT_TOKENS)
+               for q, p in zip(QUESTIONS, passages)]
     answers = rag.generate(reader, tokenizer, prompts, ANSWER_TOKENS)
     f1 = np.mean([token_f1(a, q.answer) for a, q in zip(answers, QUESTIONS)])
     likelihood = np.mean([rag.answer_log_likelihood(
         reader, tokenizer, rag.prompt_for(q, p, tokenizer, reader.config.n_positions
-                                          - len(tokenizer(q.answer)["input_ids"]) - 1), q.answer)
+                                          - len(tokenizer(q.answer)["input_ids"]) - 1),
+        q.answer)
         for q, p in zip(QUESTIONS, passages)])
     extracted = np.mean([token_f1(rag.extracted_answer(p[0]), q.answer) if p else 0.0
                          for q, p in zip(QUESTIONS, passages)])
     extractive[name] = extracted
-    rows.append(f"| {name} | {f1:.3f} | {likelihood:.2f} | {extracted:.3f} | {answers[0]!r} |")
+    rows.append(f"| {name} | {f1:.3f} | {likelihood:.2f} | {extracted:.3f} | "
+                f"{answers[0]!r} |")
 display(Markdown("| prompt | token F1 | log-probability of the reference, per token | "
-                 "extractive F1 | first answer |\n|---|---|---|---|---|\n" + "\n".join(rows)))
+                 "extractive F1 | first answer |\n|---|---|---|---|---|\n"
+                 + "\n".join(rows)))
 print(f"question: {QUESTIONS[0].text}  reference: {QUESTIONS[0].answer}")
 copied = extractive[f"BM25, {K} x {SIZE} tokens"]
 assert copied > 0.2, copied  # the answers are in the passages, for a reader that copies

@@ -49,8 +49,19 @@
 # [The first-aid page](../../book/first-aid.md) lists every symptom with its first command.
 
 # %%
+import psutil
+import torch
+
+from coursekit import KIT_ROOT, launch, memory, presets, runs, stages
+
+# %% [markdown]
+# The set-up: the standard library's modules the lesson uses; the lesson's jobs and their
+# settings, from `debug_jobs.py` beside this notebook (the plumbing that runs each job with
+# a deadline); a fresh folder for what the lesson writes; and the tiny model's sizes
+# (lesson 04).
+
+# %%
 import contextlib
-import difflib
 import json
 import math
 import os
@@ -62,111 +73,23 @@ import subprocess
 import sys
 import time
 import warnings
-from dataclasses import dataclass
 from pathlib import Path
 
-import psutil
-import torch
-from IPython.display import Markdown, display
+# each job: the ddp stage, STEPS steps of FLAGS, with the timeouts of ENV
+from debug_jobs import (DATA, DDP, ENV, FLAGS, RUNS, STEPS, Outcome, broken, ddp_job,
+                        job, losses, show_mistake, trained_every_step, trains_like)
 
-from coursekit import KIT_ROOT, launch, memory, presets, runs, stages
-
-RUNS = Path("runs")  # what this lesson writes
 shutil.rmtree(RUNS, ignore_errors=True)
 RUNS.mkdir()
-DATA = KIT_ROOT / "data" / "builtin"
-DDP = stages.script_path("ddp")
-TINY = memory.Model.from_preset(presets.get_preset("tiny"))  # the model's sizes (lesson 04)
-STEPS = 4
-FLAGS = ["--preset", "tiny", "--data", str(DATA), "--max-steps", str(STEPS), "--eval-interval",
-         str(STEPS), "--eval-steps", "1", "--ckpt-interval", str(STEPS), "--sample-tokens", "0",
-         "--device", "cpu"]
-# One thread a process (as torchrun gives them); collectives that give up after 8 s instead of
-# 600, and a watchdog that writes each rank's stacks after 4 s without a step instead of 300
-ENV = {**os.environ, "OMP_NUM_THREADS": "1", "KIT_DIST_TIMEOUT": "8", "KIT_WATCHDOG": "4"}
-
-
-@dataclass
-class Outcome:
-    name: str
-    status: str     # finished, failed (its own exit status), or hung (killed at the deadline)
-    seconds: float
-    output: str     # stdout and stderr, as the job's log would hold them
-
-    def tail(self, lines=4, saying=r"error: |step \d|watchdog: |(\[rank\d\]: )?[\w.]*Error: "):
-        """The last ``lines`` lines of the log that say what happened: the kit's step lines and
-        one-line errors, and the exceptions' own lines (not tracebacks or torchrun's banners)."""
-        said = [line for line in self.output.splitlines()
-                if re.match(saying, line) and "ChildFailedError" not in line]  # torchrun's own
-        return "\n".join(line[:400] for line in said[-lines:])
-
-
-def job(name, command, env=None, deadline=60, preexec_fn=None, while_running=None):
-    """Run ``command`` as the job ``name`` with a deadline: its Outcome. A job still running at
-    the deadline is killed, with every process it started, and counts as hung. Once it has
-    started, ``while_running(process)`` may look at it from outside."""
-    start = time.monotonic()
-    process = subprocess.Popen([str(word) for word in command], stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, env=env or ENV,
-                               start_new_session=True, preexec_fn=preexec_fn)
-    if while_running:
-        while_running(process)
-    try:
-        output, _ = process.communicate(timeout=deadline)
-        status = "finished" if process.returncode == 0 else "failed"
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        status = "hung"
-    return Outcome(name, status, time.monotonic() - start, output)
-
-
-def ddp_job(name, script=DDP, *extra, nproc=2, **kwargs):
-    """The (possibly broken) ddp stage on ``nproc`` processes for STEPS steps into runs/<name>."""
-    out = RUNS / name
-    shutil.rmtree(out, ignore_errors=True)
-    return job(name, [*launch.torchrun(nproc), script, *FLAGS, "--out", out, *extra], **kwargs)
-
-
-def losses(name):
-    return [record["loss"] for record in runs.read_metrics(RUNS / name)]
-
-
-def trains_like(name, reference, tolerance=1e-4):
-    """Whether run ``name`` took the same steps as run ``reference``, loss for loss."""
-    ours, theirs = losses(name), losses(reference)
-    return len(ours) == len(theirs) > 0 and all(abs(a - b) <= tolerance
-                                                for a, b in zip(ours, theirs))
-
-
-def broken(name, old, new):
-    """The ddp stage with one mistake, written to runs/<name>.py: ``old`` replaced by ``new``.
-    Shows the mistake as a diff. Returns the script's path."""
-    source = DDP.read_text()
-    if source.count(old) != 1:
-        raise ValueError(f"{name}: the ddp stage no longer has exactly one {old!r}")
-    script = RUNS / f"{name}.py"
-    script.write_text(source.replace(old, new))
-    return script
-
-
-def show_mistake(script):
-    """The diff between the ddp stage and a broken copy of it: what the case changed."""
-    lines = difflib.unified_diff(DDP.read_text().splitlines(), script.read_text().splitlines(),
-                                 "train_gpt2_ddp.py", script.name, n=1, lineterm="")
-    display(Markdown("```diff\n" + "\n".join(lines) + "\n```"))
-
-
-def trained_every_step(name, processes=2):
-    """Whether run ``name`` took all STEPS steps on ``processes`` processes."""
-    return (len(losses(name)) == STEPS and
-            runs.read_json(RUNS / name / "config.json")["world_size"] == processes)
-
+# the model's sizes (lesson 04)
+TINY = memory.Model.from_preset(presets.get_preset("tiny"))
 
 # %% tags=["demo"]
 reference = ddp_job("reference")
-print(f"reference: {reference.status} in {reference.seconds:.0f} s; losses {losses('reference')}")
-assert reference.status == "finished"  # the fixed job of every case that removes its mistake
+print(f"reference: {reference.status} in {reference.seconds:.0f} s; "
+      f"losses {losses('reference')}")
+# the fixed job of every case that removes its mistake
+assert reference.status == "finished"
 
 # %% [markdown]
 # ## 1. A job that hangs before its first step: the rendezvous
@@ -181,9 +104,10 @@ assert reference.status == "finished"  # the fixed job of every case that remove
 
 # %%
 def node_command(node_rank, master_port, out):
-    """torchrun on node ``node_rank`` of 2, one process each, meeting at 127.0.0.1:master_port."""
-    return [*launch.torchrun(1, nodes=2, master_port=master_port), "--node-rank", node_rank,
-            "--rdzv-conf", "timeout=6", DDP, *FLAGS, "--out", out]
+    """torchrun on node ``node_rank`` of 2, one process each, meeting at
+    127.0.0.1:master_port."""
+    return [*launch.torchrun(1, nodes=2, master_port=master_port), "--node-rank",
+            node_rank, "--rdzv-conf", "timeout=6", DDP, *FLAGS, "--out", out]
 
 
 def run_nodes(commands, deadline=40):
@@ -191,8 +115,9 @@ def run_nodes(commands, deadline=40):
     env = {**ENV, "LOGLEVEL": "INFO"}
     with contextlib.ExitStack() as stack:
         started = [stack.enter_context(subprocess.Popen(
-            [str(word) for word in command], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env=env, start_new_session=True)) for command in commands]
+            [str(word) for word in command], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, env=env, start_new_session=True))
+            for command in commands]
         begin, outcomes = time.monotonic(), []
         for rank, process in enumerate(started):
             try:
@@ -202,7 +127,8 @@ def run_nodes(commands, deadline=40):
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 output, status = process.communicate()[0], "hung"
-            outcomes.append(Outcome(f"node {rank}", status, time.monotonic() - begin, output))
+            outcomes.append(Outcome(f"node {rank}", status, time.monotonic() - begin,
+                                    output))
     return outcomes
 
 
@@ -215,7 +141,8 @@ def broken_launch(out):
 nodes = run_nodes(broken_launch(RUNS / "rendezvous-broken"))
 for node in nodes:
     print(f"--- {node.name}: {node.status} after {node.seconds:.0f} s\n{node.tail(1)}")
-assert [node.status for node in nodes] == ["failed", "failed"] and "1/2 clients" in nodes[0].output
+assert ([node.status for node in nodes] == ["failed", "failed"]
+        and "1/2 clients" in nodes[0].output)
 
 # %% [markdown]
 # **Symptom.** Nothing: no step line, no error, until the rendezvous times out (with torchrun's
@@ -236,7 +163,8 @@ assert [node.status for node in nodes] == ["failed", "failed"] and "1/2 clients"
 def fixed_launch(out):
     """Both nodes' torchrun commands (node_command), meeting at one rendezvous."""
     ### BEGIN SOLUTION
-    port = launch.free_port()  # chosen once, for the job, as a batch file exports MASTER_PORT
+    # chosen once, for the job, as a batch file exports MASTER_PORT
+    port = launch.free_port()
     return [node_command(rank, port, out) for rank in (0, 1)]
     ### END SOLUTION
 
@@ -274,16 +202,20 @@ with socket.socket() as taken:
 # calls that barrier.
 
 # %% tags=["demo"]
-script = broken("barrier-on-rank-0", "            runs.append_metrics(run_dir, record)\n",
+script = broken("barrier-on-rank-0",
+                "            runs.append_metrics(run_dir, record)\n",
                 "            runs.append_metrics(run_dir, record)\n"
-                "            torch.distributed.barrier()  # until rank 0's line is on disk\n")
-PY_SPY = Path(sys.executable).with_name("py-spy")  # installed with the kit's requirements
+                "            torch.distributed.barrier()"
+                "  # until rank 0's line is on disk\n")
+# installed with the kit's requirements
+PY_SPY = Path(sys.executable).with_name("py-spy")
 spied = {}
 
 
 def py_spy_every_rank(launcher):
-    """Once the ranks have gone 4 s without a step (the watchdog has written rank 0's stacks),
-    `py-spy dump` each rank's process: its Python stack, read from outside, as on a node."""
+    """Once the ranks have gone 4 s without a step (the watchdog has written rank 0's
+    stacks), `py-spy dump` each rank's process: its Python stack, read from outside, as
+    on a node."""
     hung_sign = RUNS / "barrier-on-rank-0" / "ranks" / "0.stacks"
     deadline = time.monotonic() + 30
     while not hung_sign.exists() and time.monotonic() < deadline:
@@ -318,7 +250,8 @@ assert hung.status == "failed" and "barrier at barrier-on-rank-0.py" in hung.out
 def script_frames(stacks, script_name):
     """The frames of the main thread that are in the training script (the last dump)."""
     last = stacks.split("--- no step ended")[-1]
-    main = last.split("\n\n")[-1]  # faulthandler lists the current thread first, then the others
+    # faulthandler lists the current thread first, then the others
+    main = last.split("\n\n")[-1]
     return [line.strip() for line in main.splitlines() if script_name in line]
 
 
@@ -409,12 +342,16 @@ assert waits[0].startswith("torch.distributed.barrier()") and "barrier" not in w
 
 # %% tags=["demo"]
 script = broken("unused-head", "    ddp_model = DDP(model)\n",
-                "    model.value_head = torch.nn.Linear(config.n_embd, 1).to(device)  # for RL later\n"
+                "    model.value_head = torch.nn.Linear(config.n_embd, 1).to(device)"
+                "  # for RL later\n"
                 "    ddp_model = DDP(model)\n")
 show_mistake(script)
-unused = ddp_job("unused-head", script, env={**ENV, "TORCH_DISTRIBUTED_DEBUG": "INFO"})
-print(unused.status, "\n" + unused.tail(3, saying=r"\[rank0\]: (RuntimeError|Parameter)"))
-assert unused.status == "failed" and "value_head.bias, value_head.weight" in unused.output
+unused = ddp_job("unused-head", script,
+                 env={**ENV, "TORCH_DISTRIBUTED_DEBUG": "INFO"})
+print(unused.status, "\n"
+      + unused.tail(3, saying=r"\[rank0\]: (RuntimeError|Parameter)"))
+assert (unused.status == "failed"
+        and "value_head.bias, value_head.weight" in unused.output)
 
 # %% [markdown]
 # **Symptom.** The second step fails on every rank: `Expected to have finished reduction in the
@@ -427,18 +364,21 @@ assert unused.status == "failed" and "value_head.bias, value_head.weight" in unu
 
 # %% tags=["demo"]
 script = broken("find-unused", "    ddp_model = DDP(model)\n",
-                "    model.value_head = torch.nn.Linear(config.n_embd, 1).to(device)  # for RL later\n"
+                "    model.value_head = torch.nn.Linear(config.n_embd, 1).to(device)"
+                "  # for RL later\n"
                 "    ddp_model = DDP(model, find_unused_parameters=True)\n")
 found = ddp_job("find-unused", script)
 
 
 def median_step_ms(name):
-    return statistics.median(record["ms"] for record in runs.read_metrics(RUNS / name)[1:])
+    return statistics.median(record["ms"]
+                             for record in runs.read_metrics(RUNS / name)[1:])
 
 
 print(f"find_unused_parameters: {found.status}, trains like the reference: "
       f"{trains_like('find-unused', 'reference')}; median step "
-      f"{median_step_ms('find-unused'):.0f} ms against {median_step_ms('reference'):.0f} ms")
+      f"{median_step_ms('find-unused'):.0f} ms against "
+      f"{median_step_ms('reference'):.0f} ms")
 assert found.status == "finished" and trains_like("find-unused", "reference")
 
 # %% [markdown]
@@ -454,7 +394,8 @@ assert found.status == "finished" and trains_like("find-unused", "reference")
 # Leave them out and the loader is the std stage's: every rank reads the same samples.
 
 # %% tags=["demo"]
-script = broken("same-data", 'TokenShardLoader(args.data, "train", B, T, rank, world_size)',
+script = broken("same-data",
+                'TokenShardLoader(args.data, "train", B, T, rank, world_size)',
                 'TokenShardLoader(args.data, "train", B, T)')
 same = ddp_job("same-data", script)
 print(f"{same.status}; losses {[round(x, 4) for x in losses('same-data')]}")
@@ -472,7 +413,8 @@ assert same.status == "finished" and not trains_like("same-data", "reference")
 micro = presets.get_preset("tiny").micro_batch * presets.get_preset("tiny").seq_len
 std = job("std-one-share", [sys.executable, stages.script_path("std"), *FLAGS, "--out",
                             RUNS / "std-one-share", "--batch-tokens", micro])
-print(f"std at one rank's share of the batch ({micro} tokens): same losses as the broken job: "
+print(f"std at one rank's share of the batch ({micro} tokens): "
+      f"same losses as the broken job: "
       f"{trains_like('same-data', 'std-one-share')}; as the reference: "
       f"{trains_like('same-data', 'reference')}")
 assert trains_like("same-data", "std-one-share")
@@ -509,7 +451,8 @@ assert trains_like("same-data", "std-one-share")
 
 # %% tags=["demo"]
 LIMIT = 3 * 10**9
-BIG = ["--micro-batch", "32", "--batch-tokens", str(2 * 32 * 128)]  # 2 ranks x 32 samples
+# 2 ranks x 32 samples
+BIG = ["--micro-batch", "32", "--batch-tokens", str(2 * 32 * 128)]
 
 
 def limit_memory():
@@ -548,7 +491,8 @@ def largest_micro_batch(budget_bytes, micro_batches=(32, 16, 8, 4, 2, 1)):
     """The largest of ``micro_batches`` whose predicted peak on one of 2 ddp ranks is
     at most ``budget_bytes``, or None."""
     fitting = [m for m in micro_batches
-               if memory.per_rank_bytes(TINY, "ddp", 2, "fp32", m, 128)["total"] <= budget_bytes]
+               if memory.per_rank_bytes(TINY, "ddp", 2, "fp32", m, 128)["total"]
+               <= budget_bytes]
     return max(fitting, default=None)
 
 # %% [markdown]
@@ -560,14 +504,16 @@ def largest_micro_batch(budget_bytes, micro_batches=(32, 16, 8, 4, 2, 1)):
 
 # %% tags=["demo"]
 fits = largest_micro_batch(5 * 10**8)
-fixed = ddp_job("oom-fixed", DDP, *BIG[2:], "--micro-batch", str(fits), "--max-steps", "1",
-                preexec_fn=limit_memory)
+fixed = ddp_job("oom-fixed", DDP, *BIG[2:], "--micro-batch", str(fits), "--max-steps",
+                "1", preexec_fn=limit_memory)
 unlimited = ddp_job("unlimited", DDP, *BIG, "--max-steps", "1")
 first = {name: runs.read_metrics(RUNS / name)[0] for name in ("oom-fixed", "unlimited")}
 same_gradient = all(abs(first["oom-fixed"][key] - first["unlimited"][key]) < 1e-4
                     for key in ("loss", "grad_norm"))
-print(f"micro-batch {fits} under {LIMIT / 1e9:.0f} GB: {fixed.status}; micro-batch 32 without "
-      f"the limit: {unlimited.status}; the same loss and gradient norm: {same_gradient}")
+print(f"micro-batch {fits} under {LIMIT / 1e9:.0f} GB: {fixed.status}; "
+      f"micro-batch 32 without "
+      f"the limit: {unlimited.status}; "
+      f"the same loss and gradient norm: {same_gradient}")
 assert fixed.status == "finished" and same_gradient
 
 # %% [markdown]
@@ -594,7 +540,8 @@ assert nan.status == "failed" and "the weights are lost from this step on" in na
 std_stage = stages.load("std")
 torch.manual_seed(1337)
 preset = presets.get_preset("tiny")
-model = std_stage.GPT(std_stage.GPTConfig(vocab_size=preset.vocab_size, block_size=preset.seq_len,
+model = std_stage.GPT(std_stage.GPTConfig(vocab_size=preset.vocab_size,
+                                          block_size=preset.seq_len,
                                           n_layer=preset.n_layer, n_head=preset.n_head,
                                           n_embd=preset.n_embd))
 optimizer = torch.optim.AdamW(model.parameters(), lr=1000.0)
@@ -609,12 +556,15 @@ with warnings.catch_warnings(record=True) as warned, torch.autograd.detect_anoma
             break
         optimizer.step()
         optimizer.zero_grad()
-# the warning holds the forward call that made the operation: its last lines in the model
-forward_trace = next(str(w.message) for w in warned if "Error detected in" in str(w.message))
+# the warning holds the forward call that made the operation: its last lines in the
+# model
+forward_trace = next(str(w.message) for w in warned
+                     if "Error detected in" in str(w.message))
 forward_trace = forward_trace.splitlines()
 in_model = [i for i, line in enumerate(forward_trace) if "solutions/gpt.py" in line]
-print("made in forward by:", *(forward_trace[i].strip() + ": " + forward_trace[i + 1].strip()
-                               for i in in_model[-2:]), sep="\n  ")
+print("made in forward by:",
+      *(forward_trace[i].strip() + ": " + forward_trace[i + 1].strip()
+        for i in in_model[-2:]), sep="\n  ")
 
 # %% [markdown]
 # **The fix.** A learning rate the model can take (the preset's), reached by a warm-up. In fp16
@@ -635,7 +585,8 @@ def diverged_at(records, factor=10):
     norms = []
     for record in records:
         norm = record["grad_norm"]
-        if not math.isfinite(norm) or (norms and norm > factor * statistics.median(norms)):
+        if (not math.isfinite(norm)
+                or (norms and norm > factor * statistics.median(norms))):
             return record["step"]
         norms.append(norm)
     return None
@@ -644,19 +595,22 @@ def diverged_at(records, factor=10):
 
 # %% nbgrader={"grade": true, "grade_id": "diverged_at_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 def trace(*norms):
-    return [{"step": step, "grad_norm": norm} for step, norm in enumerate(norms, start=1)]
+    return [{"step": step, "grad_norm": norm}
+            for step, norm in enumerate(norms, start=1)]
 
 
 assert diverged_at(trace(1.0, 0.9, 0.8)) is None
 assert diverged_at(trace(1.0, 0.9, math.inf)) == 3
 ### BEGIN HIDDEN TESTS
 assert diverged_at(trace(math.nan)) == 1
-assert diverged_at(trace(1.0, 2.0, 3.0, 25.0, math.nan)) == 4  # 25 > 10 x median(1, 2, 3)
+# 25 > 10 x median(1, 2, 3)
+assert diverged_at(trace(1.0, 2.0, 3.0, 25.0, math.nan)) == 4
 assert diverged_at(trace(1.0, 2.0, 3.0, 19.0), factor=10) is None
 assert diverged_at(trace(1.0, 2.0, 3.0, 19.0), factor=5) == 4
 assert diverged_at(trace(5.0, 0.5, 0.4, 6.0)) == 4  # 6 > 10 x median(5, 0.5, 0.4) = 5
 assert diverged_at([]) is None
-assert diverged_at(runs.read_metrics(RUNS / "nan")) == 2 if (RUNS / "nan").exists() else True
+assert (diverged_at(runs.read_metrics(RUNS / "nan")) == 2
+        if (RUNS / "nan").exists() else True)
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -667,7 +621,8 @@ assert diverged_at(runs.read_metrics(RUNS / "nan")) == 2 if (RUNS / "nan").exist
 # more than rank 0 to read each batch:
 
 # %% tags=["demo"]
-script = broken("straggler", "        return x[self.rank], y[self.rank]  # this rank's share\n",
+script = broken("straggler",
+                "        return x[self.rank], y[self.rank]  # this rank's share\n",
                 "        time.sleep(0.3 * self.rank)  # rank 1 reads from a slow disk\n"
                 "        return x[self.rank], y[self.rank]  # this rank's share\n")
 slow = ddp_job("straggler", script, "--max-steps", "6")
@@ -735,11 +690,15 @@ rank, behind = straggler(rank_logs(RUNS / "two-ranks", {0: [0.5, 0.1, 0.1, 0.1],
                                                          1: [0.1, 0.4, 0.4, 0.4]}))
 assert rank == 1 and abs(behind - 0.3) < 1e-9
 ### BEGIN HIDDEN TESTS
-rank, behind = straggler(rank_logs(RUNS / "first-step", {0: [9.0, 0.2, 0.2], 1: [0.1, 0.3, 0.3]}))
+rank, behind = straggler(rank_logs(RUNS / "first-step", {0: [9.0, 0.2, 0.2],
+                                                         1: [0.1, 0.3, 0.3]}))
 assert rank == 1 and abs(behind - 0.1) < 1e-9  # rank 0's slow first step does not count
-rank, behind = straggler(rank_logs(RUNS / "four", {0: [1, 0.1, 0.2, 0.3], 1: [1, 0.2, 0.2, 0.2],
-                                                   2: [1, 0.9, 1.1, 1.0], 3: [1, 0.3, 0.3, 0.3]}))
-assert rank == 2 and abs(behind - (1.0 - 0.2)) < 1e-9  # median of the others' medians 0.2, 0.2, 0.3
+rank, behind = straggler(rank_logs(RUNS / "four", {0: [1, 0.1, 0.2, 0.3],
+                                                   1: [1, 0.2, 0.2, 0.2],
+                                                   2: [1, 0.9, 1.1, 1.0],
+                                                   3: [1, 0.3, 0.3, 0.3]}))
+# median of the others' medians 0.2, 0.2, 0.3
+assert rank == 2 and abs(behind - (1.0 - 0.2)) < 1e-9
 rank, _ = straggler(rank_logs(RUNS / "none-ready", {0: [1, None, 0.5, 0.5],
                                                      1: [1, 0.1, None, 0.1]}))
 assert rank == 0
