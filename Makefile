@@ -167,14 +167,15 @@ book-instructor: $(BOOK_INPUTS)
 	$(BIN)/python -m coursekit book --edition instructor
 
 # `make test PYTEST_ARGS=--random-order-seed=N`: the tests of each file in a random order.
-# Two pytest-xdist workers of one thread each on the 2 cores (tests/conftest.py: the longest
-# files first, the Slurm tests on one worker, the lessons and the book on another; the book is
-# built from nbval's executions of the lessons, so that each lesson executes once for both).
-# With three, the suite took 1,497 s while it was smaller; as it grew (compiled and 16-bit runs
-# of every stage, ZeRO-3 across nodes) three workers kept the load at 6 to 12 on 2 cores, and
-# services that must start within a time limit (Ray's raylet, an MLflow server) missed it.
+# pytest-xdist workers of one thread each (tests/conftest.py: the longest files first, the
+# lessons and the book on one worker; the book is built from nbval's executions of the lessons,
+# so that each lesson executes once for both). Two share every other test on the 2 cores; a
+# third runs the Slurm tests alone, which mostly wait for jobs (Slurm's processes, not the
+# worker's) and left a core idle while they waited. Three workers that all took any test kept
+# the load at 6 to 12, and services that must start within a time limit (Ray's raylet, an MLflow
+# server) missed it.
 test: setup $(BOOK_JS) $(INSTRUCT_DATA) $(SHAPES_DATA) $(BASE_MODEL) $(EMBED_MODEL) $(DEEPSPEED_OP)
-	$(BIN)/python -m pytest -n 2 $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n 3 $(PYTEST_ARGS)
 
 test-fast: setup
 	$(BIN)/python -m pytest -m "(unit or diffs) and not slow"

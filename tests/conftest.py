@@ -24,16 +24,16 @@ from pathlib import Path
 import nbformat
 import pytest
 
-# `make test` runs two pytest-xdist workers on a 2-core machine. PyTorch starts one thread per
-# core in every process, so the workers' lessons and runs would keep many more busy threads than
-# cores, which wait for each other: a pair of lessons took 136 s side by side that way and 106 s
-# with one thread each (and a third less CPU time). So each worker, and every kernel, stage run
-# and job it starts, uses one thread, as torchrun gives its processes; set before torch loads.
-# Ray starts its workers at nice 15, below its own raylet, which suits a node whose cores are the
-# job's. Here they share the cores with the other pytest worker's processes at nice 0, which then
-# get 28 times their share: the Ray Train test took 50 s alone and 269 s beside a lesson, and a
-# Ray cluster across the test cluster's nodes did not start in 300 s (39 s alone). So Ray's
-# workers run at the same priority as everything else the tests start.
+# `make test` runs pytest-xdist workers on a 2-core machine (two, and one for the Slurm tests).
+# PyTorch starts one thread per core in every process, so the workers' lessons and runs would keep
+# many more busy threads than cores, which wait for each other: a pair of lessons took 136 s side
+# by side that way and 106 s with one thread each (and a third less CPU time). So each worker, and
+# every kernel, stage run and job it starts, uses one thread, as torchrun gives its processes; set
+# before torch loads. Ray starts its workers at nice 15, below its own raylet, which suits a node
+# whose cores are the job's. Here they share the cores with the other pytest worker's processes at
+# nice 0, which then get 28 times their share: the Ray Train test took 50 s alone and 269 s beside
+# a lesson, and a Ray cluster across the test cluster's nodes did not start in 300 s (39 s alone).
+# So Ray's workers run at the same priority as everything else the tests start.
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     os.environ.setdefault("MKL_NUM_THREADS", "1")
@@ -61,12 +61,12 @@ def builtin_data(tmp_path_factory):
 SCREENSHOT_DIR = KIT_ROOT / "_build" / "browser"
 SESSION_START = time.time()
 
-#: `make test` runs the suite on 2 pytest-xdist workers. The tests of these files stay on one
+#: `make test` runs the suite on 3 pytest-xdist workers. The tests of these files stay on one
 #: worker: the book is built from the lessons' nbval runs, and the browser tests share its two
 #: editions (built_book, instructor_book), so the book's tests follow nbval on its worker instead
-#: of waiting for it on another; the Slurm test cluster is one per machine. Every other test
-#: file goes whole to whichever worker is free, so that its module fixtures (a training run) run
-#: once.
+#: of waiting for it on another; the Slurm test cluster is one per machine (and its worker takes
+#: nothing else: pytest_xdist_make_scheduler). Every other test file goes whole to whichever worker
+#: is free, so that its module fixtures (a training run) run once.
 WORKER_GROUPS = {"tests/test_notebooks.py": "book", "tests/test_book.py": "book",
                  "tests/test_browser.py": "book", "tests/test_slurm.py": "slurm"}
 
@@ -100,6 +100,18 @@ def pytest_xdist_make_scheduler(config, log):
     class GroupScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid):
             return WORKER_GROUPS.get(nodeid.split("::")[0], super()._split_scope(nodeid))
+
+        def _assign_work_unit(self, node):
+            """With 3 workers or more, the last runs the Slurm group and nothing else: its tests
+            mostly wait for jobs whose processes are Slurm's, not the worker's, so it would leave
+            a core idle while they wait. The other workers never take the Slurm group."""
+            slurm_worker = len(self.nodes) > 2 and node is self.nodes[-1] and any(
+                self._split_scope(nodeid) == "slurm" for nodeid in self.collection)
+            self.assigned_work.setdefault(node, {})
+            for scope in self.workqueue:
+                if (scope == "slurm") == slurm_worker:
+                    self.workqueue.move_to_end(scope, last=False)
+                    return super()._assign_work_unit(node)
 
     # in the order of collection (LONGEST_FIRST), not xdist's default of the most tests first
     config.option.loadscopereorder = False
