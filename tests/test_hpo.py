@@ -132,9 +132,7 @@ def test_running_again_continues_the_study(study, tmp_path):
 def test_interrupted_trial_is_queued_and_resumed_from_its_checkpoint(builtin, tmp_path):
     """SIGTERM (Slurm's requeue or time limit): the trial checkpoints, waits in the study, and the
     next run resumes it; its metrics continue where they stopped."""
-    study_dir = tmp_path / "study"
-    budget = ["--trials", "1", "--max-steps", "20", "--eval-interval", "10", "--pruner", "none",
-              "--train-args", "--eval-steps 2 --ckpt-interval 2"]
+    study_dir, budget = tmp_path / "study", one_trial()
     driver = hpo("--study-dir", str(study_dir), *budget, stdout=subprocess.PIPE,
                  stderr=subprocess.STDOUT, env=held_at(HOLD_AT))
     wait_for_held_step(driver, study_dir / "trials" / "0000")
@@ -145,7 +143,7 @@ def test_interrupted_trial_is_queued_and_resumed_from_its_checkpoint(builtin, tm
     first, queued = load_trials(study_dir)
     assert first.state == TrialState.FAIL and first.user_attrs["interrupted"]
     assert queued.state == TrialState.WAITING
-    assert HOLD_AT <= runs.read_metrics(study_dir / "trials" / "0000")[-1]["step"] < 20
+    assert HOLD_AT <= runs.read_metrics(study_dir / "trials" / "0000")[-1]["step"] < TRIAL_STEPS
 
     result = hpo("--study-dir", str(study_dir), *budget)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -153,9 +151,9 @@ def test_interrupted_trial_is_queued_and_resumed_from_its_checkpoint(builtin, tm
     assert resumed.state == TrialState.COMPLETE and resumed.params == first.params
     assert resumed.user_attrs["run_dir"] == str(study_dir / "trials" / "0000")
     steps = [r["step"] for r in runs.read_metrics(study_dir / "trials" / "0000")]
-    assert steps == list(range(1, 21))  # resumed from a checkpoint, not retrained from step 1
+    assert steps == list(range(1, TRIAL_STEPS + 1))  # resumed from its checkpoint, not from step 1
     log = (study_dir / "trials" / "0000" / "train.log").read_text()
-    assert log.count("step 1/20 ") == 1
+    assert log.count(f"step 1/{TRIAL_STEPS} ") == 1
 
 
 @pytest.mark.stages
@@ -166,8 +164,7 @@ def test_a_trial_whose_worker_is_killed_is_queued_again_after_its_lease(builtin,
     heartbeat is older than --lease, another worker fails it and queues it again, and resumes it
     from its checkpoint; the study counts one trial, as --trials says."""
     study_dir, lease = tmp_path / "study", 4
-    budget = ["--trials", "1", "--max-steps", "20", "--eval-interval", "10", "--pruner", "none",
-              "--lease", str(lease), "--train-args", "--eval-steps 2 --ckpt-interval 2"]
+    budget = one_trial("--lease", str(lease))
     driver = hpo("--study-dir", str(study_dir), *budget, stdout=subprocess.PIPE,
                  stderr=subprocess.STDOUT, env=held_at(HOLD_AT))
     wait_for_held_step(driver, study_dir / "trials" / "0000")
@@ -186,15 +183,23 @@ def test_a_trial_whose_worker_is_killed_is_queued_again_after_its_lease(builtin,
     assert first.state == TrialState.FAIL and first.user_attrs["interrupted"]
     assert resumed.state == TrialState.COMPLETE and resumed.params == first.params
     steps = [r["step"] for r in runs.read_metrics(study_dir / "trials" / "0000")]
-    assert steps == list(range(1, 21))  # resumed from its checkpoint
+    assert steps == list(range(1, TRIAL_STEPS + 1))  # resumed from its checkpoint
     log = (study_dir / "trials" / "0000" / "train.log").read_text()
-    assert log.count("step 1/20 ") == 1 and "SIGTERM received: checkpoint saved" in log
+    assert log.count(f"step 1/{TRIAL_STEPS} ") == 1 and "SIGTERM received: checkpoint saved" in log
 
 
 # The step after which the trainer is stopped: after the checkpoint of step 2, before its last
 # step. It holds there until the signal reaches it (tests/slurm/hold/sitecustomize.py, as the
 # Slurm tests' jobs do), so the test cannot lose a race with a fast trainer.
 HOLD_AT = 4
+#: The steps of the one trial that is stopped and resumed: some are left after the stop
+TRIAL_STEPS = 2 * HOLD_AT
+
+
+def one_trial(*options):
+    """A study of one unpruned trial, checkpointed every 2 steps."""
+    return ["--trials", "1", "--max-steps", str(TRIAL_STEPS), "--eval-interval", str(HOLD_AT),
+            "--pruner", "none", *options, "--train-args", "--eval-steps 2 --ckpt-interval 2"]
 
 
 def held_at(step):
