@@ -52,6 +52,8 @@ def test_every_toc_entry_is_a_page_reachable_from_the_index(html):
 # what only an executed lesson shows: its printed results, and plots as images
 EXECUTED_OUTPUTS = {
     "00-gpus-and-hpc": ["TFLOP/s"],
+    "00b-deep-learning": ["dy/dx by autograd = 10.0", "parameters on 20 points:",
+                          "early stopping (patience 20) keeps epoch", "GFLOP/s"],
     "01-single-gpu-gpt": ["tokens per step", "temperature 0.5"],
     "02-ddp": ["max |all-reduced - whole batch| =", "strong scaling: speedup",
                "final validation loss"],

@@ -18,9 +18,10 @@ from coursekit import KIT_ROOT, KitError, diffs, grading, trainee
 pytestmark = pytest.mark.grading
 LESSONS = grading.lessons(KIT_ROOT)
 
-#: Answers that call the kit (or Optuna) for what the exercise asks, or write in what it must
-#: find: {lesson: {solution cell: its source}}. Each is graded in place of that exercise's
-#: solution and must score 0 on its tests.
+#: Answers that call the kit (or Optuna) for what the exercise asks, write in what it must find,
+#: or take the tempting wrong turn (a training step that never empties the gradients, the lowest
+#: loss of a whole run where early stopping cannot see it): {lesson: {solution cell: its
+#: source}}. Each is graded in place of that exercise's solution and must score 0 on its tests.
 SHORTCUTS = {
     "00-gpus-and-hpc": {
         "speedup": """
@@ -41,6 +42,20 @@ SHORTCUTS = {
 
             def serial_fraction(t1, tp, p):
                 return scaling.karp_flatt(t1, tp, p)""",
+    },
+    "00b-deep-learning": {
+        "train_step": """
+            def train_step(model, optimizer, loss_fn, microbatches):
+                total = 0.0
+                for inputs, targets in microbatches:
+                    loss = loss_fn(model(inputs), targets) / len(microbatches)
+                    loss.backward()
+                    total += loss.item()
+                optimizer.step()
+                return total""",
+        "early_stopping": """
+            def early_stopping(val_losses, patience):
+                return min(range(len(val_losses)), key=val_losses.__getitem__)""",
     },
     "01-single-gpu-gpt": {
         "tokens_per_step": """

@@ -29,7 +29,7 @@
 # - generate text from a checkpoint;
 # - compute the model FLOPs utilisation (MFU) of a run and say what limits it.
 #
-# **Prerequisites.** Lesson 00; PyTorch tensors and `nn.Module`.
+# **Prerequisites.** Lessons 00 and 00b (PyTorch tensors, `nn.Module` and a training loop).
 #
 # **Time.** About 45 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
 # The time is an estimate; the instructor guide says how it is made.
