@@ -126,7 +126,8 @@ $(SHAPES_DATA): $(INSTALLED)
 # same content) must not train and export the model again while lessons and tests read it:
 # order-only. The export needs transformers, from the second install. One thread, since pip has
 # the other core: a second thread would wait for it, spinning (0.6 CPU-s a step instead of 0.5
-# on an idle machine; 263 CPU-s for the run in a fresh `make test`, where pip was busy).
+# on an idle machine, measured before the loss's rework). One thread: 131 CPU-s for the run in a
+# fresh `make test` (2026-11-30).
 $(BASE_RUN): $(CORE) | $(BUILTIN_DATA)
 	OMP_NUM_THREADS=1 $(BIN)/python solutions/train_gpt2_std.py --preset tiny --data data/builtin --out runs/base-tiny \
 	  --resume
