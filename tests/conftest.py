@@ -163,9 +163,10 @@ def skip_reason(report):
 
 
 def pytest_sessionfinish(session):
-    FORK_SERVER.stop()
+    for server in FORK_SERVERS:
+        server.stop()
     if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: to the main process
-        session.config.workeroutput["fork_server"] = FORK_SERVER.counts()
+        session.config.workeroutput["fork_server"] = [server.counts() for server in FORK_SERVERS]
     # pytest exits with session.exitstatus as it stands after this hook.
     passing = (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED)
     if OTHER_SKIPS and strict_checks() and session.exitstatus in passing:
@@ -173,7 +174,7 @@ def pytest_sessionfinish(session):
 
 
 def pytest_testnodedown(node, error):
-    WORKERS_FORK_SERVERS.append(node.workeroutput.get("fork_server", {}))
+    WORKERS_FORK_SERVERS.extend(node.workeroutput.get("fork_server", []))
 
 
 WORKERS_FORK_SERVERS = []
@@ -197,7 +198,7 @@ def report_screenshots(terminalreporter):
 
 def report_fork_servers(terminalreporter):
     """How many runs the fork servers forked, and why the others were started as processes."""
-    counts = WORKERS_FORK_SERVERS or [FORK_SERVER.counts()]
+    counts = WORKERS_FORK_SERVERS or [server.counts() for server in FORK_SERVERS]
     forked = sum(count.get("forked", 0) for count in counts)
     refused = {}
     for count in counts:
@@ -432,6 +433,14 @@ def kit_env(extra=None):
 
 #: This worker's fork server, started by its first run, stopped at the end of the session.
 FORK_SERVER = forkserver.Server(kit_env)
+#: The lora stage's: what its runs import beyond the other stages' as well (Accelerate, PEFT,
+#: Transformers with its GPT-2). A server of its own, so that the others never pay for it. Not
+#: DeepSpeed, which Accelerate imports to unwrap a model: its import starts a thread (jemalloc's,
+#: through pyarrow), and a fork of a process with threads may copy a lock that one of them held.
+LORA_FORK_SERVER = forkserver.Server(kit_env, preloaded=(
+    *forkserver.PRELOADED, "accelerate", "peft", "transformers",
+    "transformers.models.gpt2.modeling_gpt2"))
+FORK_SERVERS = (FORK_SERVER, LORA_FORK_SERVER)
 
 
 def srun_task_env(procid, ntasks, port):
@@ -514,14 +523,14 @@ def launched_torchrun(nproc, script, args, restarts, env, attempts=3):
     return result
 
 
-def forked_torchrun(nproc, command, env, attempts=3):
+def forked_torchrun(nproc, command, env, attempts=3, server=FORK_SERVER):
     """The group of forked workers, or None if the server refuses them. The port that rank 0's
     store binds was free when chosen; should another process take it first, the group starts
     again at another (as the kit's batch files do not need to: their port is the job's)."""
     for _ in range(attempts):
         port = free_port()
         envs = [torchrun_worker_env(env, rank, nproc, port) for rank in range(nproc)]
-        result = FORK_SERVER.group([command] * nproc, envs, os.getcwd(), 600)
+        result = server.group([command] * nproc, envs, os.getcwd(), 600)
         if result is None or "EADDRINUSE" not in result.stderr:
             return result
     return result

@@ -93,6 +93,23 @@ def test_a_run_whose_imports_would_read_another_environment_is_refused():
     assert any("HF_HUB_OFFLINE" in reason for reason in FORK_SERVER.refused)
 
 
+def test_a_pythonpath_of_the_runs_own_comes_first_unless_it_holds_another_copy(tmp_path):
+    """A folder on the run's PYTHONPATH (relative to its working folder, as DeepSpeed's launch
+    puts one there) comes right after the script's own, as in a fresh process; one that holds
+    another numpy than the one the server imported is refused, since a fresh process would
+    import that one instead."""
+    command = script(tmp_path, "path.py", "import sys, extra; print(sys.path[1], extra.NAME)\n")
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "extra.py").write_text("NAME = 'extra'\n")
+    env = kit_env({"PYTHONPATH": os.pathsep.join(filter(None, ["lib",
+                                                               os.environ.get("PYTHONPATH")]))})
+    served = FORK_SERVER.run(command, env, tmp_path, 60)
+    assert served.stdout == f"{tmp_path / 'lib'} extra\n", served.stderr
+    (tmp_path / "lib" / "numpy.py").write_text("")
+    assert FORK_SERVER.run(command, env, tmp_path, 60) is None
+    assert "its PYTHONPATH holds other copies of numpy" in FORK_SERVER.refused
+
+
 def test_a_change_in_the_tests_own_environment_starts_the_server_anew(monkeypatch, tmp_path):
     """An import in the tests' process sets a variable there (Ray's import sets three): runs in
     that environment are forked from a new server started in it, not refused."""

@@ -1,5 +1,9 @@
 """The lora stage: the kit's GPT, pretrained and exported, fine-tuned on the offline instruction
-tasks with PEFT, launched by Accelerate with every config in solutions/accelerate/."""
+tasks with PEFT, launched by Accelerate with every config in solutions/accelerate/: the single
+process's reference run by `accelerate launch` itself, the others' processes forked from the
+lora fork server with what Accelerate's launcher would give them (accelerate_environment). Lesson
+05 and the lora stage's Slurm jobs run `accelerate launch` too."""
+import contextlib
 import json
 import shutil
 import subprocess
@@ -8,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import free_port, kit_env
+from conftest import LORA_FORK_SERVER, forked_torchrun, free_port, kit_env
 from coursekit import KIT_ROOT, instruct, runs, stages
 
 pytestmark = pytest.mark.stages
@@ -34,15 +38,50 @@ def tasks(tmp_path_factory):
     return out
 
 
-def launch(config, out, base_model, tasks, *args, processes=None):
+def accelerate_launch(config, out, base_model, tasks, *args):
     """`accelerate launch` the stage with one of the kit's configs; returns the CompletedProcess."""
     command = [ACCELERATE, "launch", "--config_file", CONFIGS / f"{config}.yaml",
-               "--main_process_port", free_port()]
-    if processes:
-        command += ["--num_processes", processes]
-    command += [SCRIPT, "--model", base_model, "--data", tasks, "--out", out, *args]
+               "--main_process_port", free_port(), SCRIPT, "--model", base_model, "--data", tasks,
+               "--out", out, *args]
     return subprocess.run(list(map(str, command)), capture_output=True, text=True, timeout=900,
                           env=kit_env(), cwd=KIT_ROOT)
+
+
+def launch(config, out, base_model, tasks, *args):
+    """The stage's processes as `accelerate launch` with one of the kit's configs starts them,
+    forked (one, or torchrun's workers); the real launch should the server refuse them. Returns
+    the CompletedProcess."""
+    processes, env = accelerate_environment(config)
+    command = [sys.executable, str(SCRIPT), *map(str, ["--model", base_model, "--data", tasks,
+                                                       "--out", out, *args])]
+    with contextlib.chdir(KIT_ROOT):
+        result = (LORA_FORK_SERVER.run(command, env, KIT_ROOT, 900) if processes == 1 else
+                  forked_torchrun(processes, command, env, server=LORA_FORK_SERVER))
+    return result or accelerate_launch(config, out, base_model, tasks, *args)
+
+
+def accelerate_environment(config):
+    """(processes, environment) that `accelerate launch --config_file <config>` gives the script
+    here, from Accelerate's own launcher: launch_command (accelerate/commands/launch.py) picks
+    the function that makes the environment as below, then runs the script in it, or has
+    torchrun run it (which adds each worker's rank)."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+    from accelerate.utils import (prepare_deepspeed_cmd_env, prepare_multi_gpu_env,
+                                  prepare_simple_launcher_cmd_env)
+    parsed = launch_command_parser().parse_args(["--config_file", str(CONFIGS / f"{config}.yaml"),
+                                                 str(SCRIPT)])
+    args, defaults, mixed_precision_from_config = _validate_launch_command(parsed)
+    with contextlib.chdir(KIT_ROOT):  # DeepSpeed's launch puts the working folder on PYTHONPATH
+        if args.use_deepspeed and not args.cpu:
+            args.deepspeed_fields_from_accelerate_config = ",".join(
+                [*defaults.deepspeed_config,
+                 *(["mixed_precision"] if mixed_precision_from_config else [])])
+            env = prepare_deepspeed_cmd_env(args)[1]
+        elif (args.use_fsdp or args.multi_gpu) and not args.cpu:
+            env = prepare_multi_gpu_env(args)
+        else:
+            env = prepare_simple_launcher_cmd_env(args)[1]
+    return args.num_processes, {**kit_env(), **env}
 
 
 def losses(run_dir):
@@ -53,7 +92,7 @@ def losses(run_dir):
 @pytest.fixture(scope="module")
 def single_run(base_model, tasks, tmp_path_factory):
     out = tmp_path_factory.mktemp("single") / "run"
-    result = launch("single", out, base_model, tasks, *SHORT)
+    result = accelerate_launch("single", out, base_model, tasks, *SHORT)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     return out
 

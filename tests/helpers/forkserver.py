@@ -13,6 +13,8 @@ A run whose environment differs from the server's in a variable that a library m
 is imported (anything outside RUN_TIME_VARIABLES) is refused; the client then starts a process
 of its own, as before. (Where the run's value is one the server's own imports exported, such as
 the kit's MLflow defaults, a fresh process's imports would have kept it: that is no difference.)
+A PYTHONPATH of the run's own is applied to the child's sys.path, as the interpreter would, unless
+a folder on it holds another copy of a module the server imported: then the run is refused.
 The server is reachable by its owner only: a Unix socket in a 0700 folder, each peer's user
 checked (SO_PEERCRED), since whoever reaches it runs code as its owner.
 
@@ -40,7 +42,10 @@ RUN_TIME_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "G
                       "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
                       "PYTEST_CURRENT_TEST", "PYTHONUNBUFFERED", "MLFLOW_TRACKING_URI",
                       "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD")
-RUN_TIME_PREFIXES = ("SLURM_",)
+#: Slurm's; and what `accelerate launch` tells its processes (ACCELERATE_*, FSDP_*), which
+#: Accelerate reads when the script builds its Accelerator, never at import (accelerate 1.15:
+#: utils/dataclasses.py, state.py; no module-level read of either).
+RUN_TIME_PREFIXES = ("SLURM_", "ACCELERATE_", "FSDP_")
 
 #: What every stage imports before its first step: imported here once, shared by every child.
 PRELOADED = ("numpy", "torch", "torch._dynamo", "torch.distributed", "torch.distributed.fsdp",
@@ -52,6 +57,11 @@ PRELOADED = ("numpy", "torch", "torch._dynamo", "torch.distributed", "torch.dist
 
 def run_time_only(variable):
     return variable in RUN_TIME_VARIABLES or variable.startswith(RUN_TIME_PREFIXES)
+
+
+def python_path(env):
+    """The folders of an environment's PYTHONPATH, in order."""
+    return [folder for folder in env.get("PYTHONPATH", "").split(os.pathsep) if folder]
 
 
 def imported_under(env):
@@ -66,8 +76,9 @@ class Server:
     tests' kit_env) and stopped with stop(). It counts the runs it served and those it refused,
     with the reason."""
 
-    def __init__(self, environment):
-        self.environment, self.process, self.served, self.refused = environment, None, 0, {}
+    def __init__(self, environment, preloaded=PRELOADED):
+        self.environment, self.preloaded = environment, preloaded
+        self.process, self.served, self.refused = None, 0, {}
 
     def start(self):
         self.env = self.environment()
@@ -77,7 +88,8 @@ class Server:
         self.socket_path = os.path.join(folder, "socket")
         env = {name: value for name, value in self.env.items()
                if name not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-        self.process = subprocess.Popen([sys.executable, __file__, self.socket_path], env=env,
+        self.process = subprocess.Popen([sys.executable, __file__, self.socket_path,
+                                         *self.preloaded], env=env,
                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         ready = self.process.stdout.readline()
         assert ready == "ready\n", f"the fork server did not start: {ready!r}"
@@ -240,9 +252,9 @@ def receive(connection):
 
 # --- the server's side --------------------------------------------------------------------------
 
-def serve(socket_path):
+def serve(socket_path, preloaded):
     started_under = dict(os.environ)
-    for module in PRELOADED:
+    for module in preloaded:
         __import__(module)
     import torch
 
@@ -300,16 +312,19 @@ def handle(connection, server_env, exported, default_threads):
         message += chunk
     run = json.loads(message)
     differing = sorted(name for name in set(imported_under(run["env"])) | set(server_env)
-                       if run["env"].get(name) != server_env.get(name)
+                       if run["env"].get(name) != server_env.get(name) and name != "PYTHONPATH"
                        and not (name in exported and run["env"].get(name) == exported[name]))
-    if differing:
-        send(connection, {"refused": f"imports may read {', '.join(differing)}"})
+    refusal = (f"imports may read {', '.join(differing)}" if differing
+               else pythonpath_refusal(run["env"], run["cwd"], server_env))
+    if refusal:
+        send(connection, {"refused": refusal})
         return 0
     run["env"] = {**exported, **run["env"]}
+    server_folders = [os.path.abspath(folder) for folder in python_path(server_env)]
     pid = os.fork()
     if pid == 0:
         connection.close()
-        become_the_run(run, stdio, default_threads)
+        become_the_run(run, stdio, default_threads, server_folders)
     for fd in stdio:
         os.close(fd)
     send(connection, {"pid": pid})
@@ -318,11 +333,33 @@ def handle(connection, server_env, exported, default_threads):
     return 0
 
 
+def pythonpath_refusal(run_env, cwd, server_env):
+    """Why the run's PYTHONPATH would have a fresh process import other files than this server
+    did, or None: it leaves out a folder of the server's own, or a folder it adds holds another
+    copy of a module the server imported (a package or module of that name, which a fresh
+    process would find first)."""
+    run_path, server_path = python_path(run_env), python_path(server_env)
+    if not set(server_path) <= set(run_path):
+        return "its PYTHONPATH leaves out the server's"
+    added = [os.path.join(cwd, folder) for folder in run_path if folder not in server_path]
+    copies = sorted({name for folder in added for name, module in list(sys.modules.items())
+                     if "." not in name and another_copy(folder, name, module)})
+    return f"its PYTHONPATH holds other copies of {', '.join(copies)}" if copies else None
+
+
+def another_copy(folder, name, module):
+    """Whether ``folder`` holds a module ``name`` other than the imported ``module``."""
+    origin = getattr(module, "__file__", None)
+    candidates = [os.path.join(folder, name, "__init__.py"), os.path.join(folder, f"{name}.py")]
+    return any(os.path.exists(candidate) and not (origin and os.path.samefile(candidate, origin))
+               for candidate in candidates)
+
+
 def send(connection, reply):
     connection.sendall(json.dumps(reply).encode() + b"\n")
 
 
-def become_the_run(run, stdio, default_threads):
+def become_the_run(run, stdio, default_threads, server_folders):
     """In the forked child: take the run's process group, files, folder, environment, threads and
     argv, run its script as __main__, and exit as its interpreter would. Never returns."""
     import atexit
@@ -344,7 +381,10 @@ def become_the_run(run, stdio, default_threads):
         sys.stdout.reconfigure(write_through=True)
         sys.stderr.reconfigure(write_through=True)
     sys.argv = run["argv"]
-    sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))  # as `python script` has it
+    # as `python script` has it: the script's folder, then PYTHONPATH's, then the rest
+    sys.path[:] = [os.path.dirname(os.path.abspath(sys.argv[0])),
+                   *map(os.path.abspath, python_path(run["env"])),
+                   *(folder for folder in sys.path[1:] if folder not in server_folders)]
     try:
         runpy.run_path(sys.argv[0], run_name="__main__")
         code = 0
@@ -372,4 +412,4 @@ def exit_code(code):
 
 
 if __name__ == "__main__":
-    serve(sys.argv[1])
+    serve(sys.argv[1], sys.argv[2:])
