@@ -410,17 +410,19 @@ def stage_command(script, *args):
     return [sys.executable, str(KIT_ROOT / "solutions" / script), *map(str, args)]
 
 
-def run_stage(script, *args, timeout=600, env=None, cwd=KIT_ROOT, **popen):
+def run_stage(script, *args, timeout=600, env=None, cwd=KIT_ROOT, server=None, **popen):
     """Run a stage script to completion; returns the CompletedProcess (text output)."""
-    return run_python(stage_command(script, *args), env or kit_env(), cwd, timeout, **popen)
+    return run_python(stage_command(script, *args), env or kit_env(), cwd, timeout, server,
+                      **popen)
 
 
-def run_python(command, env, cwd=KIT_ROOT, timeout=600, **popen):
+def run_python(command, env, cwd=KIT_ROOT, timeout=600, server=None, **popen):
     """subprocess.run(command, capture_output=True, text=True) for a command that runs a Python
     script: forked from the fork server, which has torch and the kit imported already
     (tests/helpers/forkserver.py), or a process of its own where the server refuses the run or
-    where subprocess options (``popen``: a preexec_fn's limits, say) must apply."""
-    result = None if popen else FORK_SERVER.run(command, env, cwd, timeout)
+    where subprocess options (``popen``: a preexec_fn's limits, say) must apply. ``server``: a
+    fork server of the caller's instead of FORK_SERVER."""
+    result = None if popen else (server or FORK_SERVER).run(command, env, cwd, timeout)
     return result or subprocess.run(command, capture_output=True, text=True, timeout=timeout,
                                     cwd=cwd, env=env, **popen)
 
@@ -495,15 +497,17 @@ def torchrun_command(nproc, script, *args, restarts=0):
     return [*launch.torchrun(nproc, restarts=restarts), str(script), *map(str, args)]
 
 
-def torchrun(nproc, script, *args, check=True, restarts=0, env=None):
+def torchrun(nproc, script, *args, check=True, restarts=0, env=None, server=None):
     """torchrun's run of ``script`` on ``nproc`` processes. A run expected to succeed without
     restarts is a group forked from the fork server with the variables torchrun gives its workers
     (torchrun_worker_env); tests of what torchrun itself does on a failure, a restart or a
-    signal start the real torchrun, as the Slurm tests and the lessons always do."""
+    signal start the real torchrun, as the Slurm tests and the lessons always do. ``server``: a
+    fork server of the caller's instead of FORK_SERVER."""
     env = env or kit_env()
     result = None
     if check and restarts == 0:
-        result = forked_torchrun(nproc, [sys.executable, str(script), *map(str, args)], env)
+        result = forked_torchrun(nproc, [sys.executable, str(script), *map(str, args)], env,
+                                 server=server or FORK_SERVER)
     if result is None:
         result = launched_torchrun(nproc, script, args, restarts, env)
     if check:

@@ -24,6 +24,7 @@ import torch
 from conftest import ONE_THREAD, kit_env, run_stage, session_folder, torchrun
 from coursekit import KIT_ROOT, presets, runs
 from coursekit.watchdog import FIRST_STEP_S, StepWatch
+from helpers import forkserver
 
 SHORT = ["--preset", "tiny", "--n-layer", "2", "--max-steps", "2", "--eval-interval", "2",
          "--eval-steps", "1", "--micro-batch", "2", "--seq-len", "16", "--batch-tokens", "64",
@@ -43,16 +44,22 @@ FP16_STAGES = ["ddp", "fsdp", "tp", "pp", "lit"]
 RECOMPILE = re.compile(r"^(?:\[rank(\d+)\]:)?.*Recompiling function (.*)$", re.MULTILINE)
 
 
-def train(stage, data, out, *flags, env=None):
-    """2 steps of ``stage`` into ``out`` with ``flags`` and ``env`` (a variable set to None is
-    left out): the CompletedProcess (text)."""
+def run_env(extra=None):
+    """The runs' environment: one thread, and ``extra`` (a variable set to None is left out)."""
+    return {name: value for name, value in kit_env({**ONE_THREAD, **(extra or {})}).items()
+            if value is not None}
+
+
+def train(stage, data, out, *flags, env=None, server=None):
+    """2 steps of ``stage`` into ``out`` with ``flags`` and ``env`` (run_env's ``extra``),
+    forked from ``server`` (conftest's FORK_SERVER if None): the CompletedProcess (text)."""
     args = [*SHORT, *STAGE_FLAGS[stage], *flags, "--data", data, "--out", out]
-    env = {name: value for name, value in kit_env({**ONE_THREAD, **(env or {})}).items()
-           if value is not None}
+    env = run_env(env)
     if stage in ("std", "lit"):
-        result = run_stage(f"train_gpt2_{stage}.py", *args, env=env)
+        result = run_stage(f"train_gpt2_{stage}.py", *args, env=env, server=server)
     else:
-        result = torchrun(2, KIT_ROOT / "solutions" / f"train_gpt2_{stage}.py", *args, env=env)
+        result = torchrun(2, KIT_ROOT / "solutions" / f"train_gpt2_{stage}.py", *args, env=env,
+                          server=server)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-5000:]
     return result
 
@@ -84,6 +91,25 @@ def compile_home(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def compiled(compile_home):
+    """What the compiled runs add to run_env: TorchDynamo's log of recompiles; one compile
+    thread: no pool of compile workers (each a Python importing torch) beside every rank on the
+    2 cores, the graphs and kernels the same; Inductor's CPU kernels in plain C++, not vectorised
+    (GPUs run Triton's instead): the same graphs, lowering, recompiles and caches, and a third
+    less of g++ (std's run: 44 CPU-seconds, 28 without vectors); the kit's default cache, in
+    compile_home. TorchDynamo reads some when imported, so the runs are forked from a fork
+    server of their own, started in this environment. (Not with Inductor imported: its codecache
+    fixes its folder for C++ headers when imported, which a run sets first: coursekit.caches.)"""
+    extra = {"TORCH_LOGS": "recompiles,torch._dynamo.backends.distributed",
+             "TORCHINDUCTOR_COMPILE_THREADS": "1", "TORCHINDUCTOR_VEC_ISA_OK": "0",
+             "HOME": str(compile_home), "TORCHINDUCTOR_CACHE_DIR": None,
+             "TRITON_CACHE_DIR": None}
+    server = forkserver.Server(lambda: run_env(extra))
+    yield extra, server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
 def squatted_cache(cotenant):
     """/tmp/torchinductor_<user>, created first by a co-tenant, mode 0777, as a trap."""
     folder = Path("/tmp") / f"torchinductor_{getpass.getuser()}"
@@ -97,17 +123,10 @@ def squatted_cache(cotenant):
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", list(STAGE_FLAGS))
 def test_compiled_bf16_trains_evaluates_and_samples_within_its_recompiles(
-        stage, builtin_data, tmp_path, compile_home, squatted_cache):
-    result = train(stage, builtin_data, tmp_path, "--precision", "bf16", "--compile",
-                   # one compile thread: no pool of compile workers (each a Python importing
-                   # torch) beside every rank on the 2 cores; the graphs and kernels are the same.
-                   # Inductor's CPU kernels in plain C++, not vectorised (GPUs run Triton's
-                   # instead): the same graphs, lowering, recompiles and caches, and a third
-                   # less of g++ (std's run: 44 CPU-seconds, 28 without vectors)
-                   env={"TORCH_LOGS": "recompiles,torch._dynamo.backends.distributed",
-                        "TORCHINDUCTOR_COMPILE_THREADS": "1", "TORCHINDUCTOR_VEC_ISA_OK": "0",
-                        "HOME": str(compile_home), "TORCHINDUCTOR_CACHE_DIR": None,
-                        "TRITON_CACHE_DIR": None})
+        stage, builtin_data, tmp_path, compile_home, compiled, squatted_cache):
+    extra, server = compiled
+    result = train(stage, builtin_data, tmp_path, "--precision", "bf16", "--compile", env=extra,
+                   server=server)
     assert not any(squatted_cache.iterdir())  # the co-tenant's folder: nothing written there
     assert any((compile_home / ".cache" / "coursekit" / "torch-compile").iterdir())
     assert runs.read_json(tmp_path / "config.json")["precision"] == "bf16 autocast"
