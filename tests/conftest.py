@@ -498,14 +498,15 @@ def torchrun_command(nproc, script, *args, restarts=0):
 
 
 def torchrun(nproc, script, *args, check=True, restarts=0, env=None, server=None):
-    """torchrun's run of ``script`` on ``nproc`` processes. A run expected to succeed without
-    restarts is a group forked from the fork server with the variables torchrun gives its workers
-    (torchrun_worker_env); tests of what torchrun itself does on a failure, a restart or a
-    signal start the real torchrun, as the Slurm tests and the lessons always do. ``server``: a
-    fork server of the caller's instead of FORK_SERVER."""
+    """torchrun's run of ``script`` on ``nproc`` processes. A run without restarts is a group
+    forked from the fork server with the variables torchrun gives its workers
+    (torchrun_worker_env), whose failed rank gets the others killed and the status 1, as under
+    torchrun; tests of what torchrun itself does on a restart or a signal start the real
+    torchrun, as the Slurm tests and the lessons always do. ``server``: a fork server of the
+    caller's instead of FORK_SERVER."""
     env = env or kit_env()
     result = None
-    if check and restarts == 0:
+    if restarts == 0:
         result = forked_torchrun(nproc, [sys.executable, str(script), *map(str, args)], env,
                                  server=server or FORK_SERVER)
     if result is None:

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import ONE_THREAD, kit_env, made_once, run_stage, stage_command
+from conftest import ONE_THREAD, kit_env, made_once, run_python, run_stage, stage_command
 from coursekit import KIT_ROOT, images, runs, stages
 from helpers import interrupt
 
@@ -43,8 +43,7 @@ def test_a_stopped_run_resumes_exactly_where_it_stopped(shapes, tmp_path, layout
     stopped_at = runs.load_checkpoint(tmp_path / "cut")[0]
     assert returncode == 0 and f"SIGUSR1 received: checkpoint saved at step {stopped_at}" in output
     assert 5 <= stopped_at < 12
-    resumed = subprocess.run([*command, "--resume"], capture_output=True, text=True,
-                             env=kit_env(ONE_THREAD), timeout=300)
+    resumed = run_python([*command, "--resume"], kit_env(ONE_THREAD), timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     expected, got = runs.read_metrics(tmp_path / "whole"), runs.read_metrics(tmp_path / "cut")

@@ -3,14 +3,13 @@ import math
 import os
 import re
 import signal
-import subprocess
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import (ONE_THREAD, QUARTER_STEP, TWENTY_STEPS, kit_env, run_stage, stage_command,
-                      std_stdout)
+from conftest import (ONE_THREAD, QUARTER_STEP, TWENTY_STEPS, kit_env, run_python, run_stage,
+                      stage_command, std_stdout)
 from coursekit import runs, stages, training
 from helpers import interrupt
 
@@ -161,8 +160,7 @@ def test_resume_after_interruption_is_identical(builtin_data, tmp_path, std_twen
         assert f"{how.name} received: checkpoint saved at step {stopped_at}" in output
         assert stopped_at < 20 and runs.load_checkpoint(tmp_path)[0] == stopped_at
 
-    resumed = subprocess.run(command + ["--resume"], capture_output=True, text=True,
-                             env=kit_env(ONE_THREAD), timeout=300)
+    resumed = run_python(command + ["--resume"], kit_env(ONE_THREAD), timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert "resumed from" in resumed.stdout
     assert_same_run(runs.read_metrics(tmp_path), reference_metrics)
