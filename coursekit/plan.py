@@ -11,8 +11,8 @@ How long a job runs:
   job trains its steps at the tokens per second per GPU that the self-test measured for that
   stage on the most processes it ran (communication included), times the job's GPUs, and never
   longer than its time limit;
-- otherwise, and for the jobs the self-test does not measure (LoRA), the job's time limit: what
-  the scheduler books for it and the most it can be charged.
+- otherwise, and for the jobs the self-test does not measure (LoRA, the ResNet, Ray), the job's
+  time limit: what the scheduler books for it and the most it can be charged.
 """
 import math
 import re
@@ -23,6 +23,8 @@ from coursekit import KitError, data, memory, presets, runs, slurm
 
 BYTES_PER_CHECKPOINTED_PARAMETER = 4 * (1 + memory.ADAM_STATES)  # fp32 weights, AdamW's m and v
 BYTES_PER_MODEL_PARAMETER = 4  # a fine-tuned model saved in fp32 (the lora stage's model/)
+BYTES_PER_RESNET_PARAMETER = 4 * 2  # fp32 weights, SGD's momentum (solutions/train_resnet_ddp.py)
+RESNET_CLASSES = 1000  # the most a site's images are likely to have (ImageNet's; the kit's 10)
 BYTES_PER_TOKEN = 2  # the prepared shards hold uint16 token ids
 DEFAULT_MARGIN = 0.25  # jobs submitted again after a mistake, a second try at a lab
 
@@ -30,18 +32,22 @@ DEFAULT_MARGIN = 0.25  # jobs submitted again after a mistake, a second try at a
 @dataclass(frozen=True)
 class LabJob:
     """A batch job each trainee submits: its stage, its shape ("1n1g"; "1nG" a full node; "2nG"
-    two), how many times (one per Accelerate config, say), and for a job array the tasks that
-    run at once."""
+    two), how many times (one per Accelerate config, say), for a job array the tasks that run at
+    once, and for a Ray job its driver (a script of solutions/ and its arguments)."""
     stage: str
     shape: str
     count: int = 1
     at_once: int = None
+    script: str = None
 
 
 #: The labs of the instructor guide's course plans (book/instructor.md, "Course plans"): for each
 #: day, the batch jobs each trainee submits. The five and three days' lora lab runs one job per
 #: multi-process Accelerate config (ddp, fsdp, zero2, zero3); the HPO lab is an array of 8 tasks,
-#: 4 at a time (`sbatch --array=0-7%4`); "a profile of one GPU job" is one more ddp job.
+#: 4 at a time (`sbatch --array=0-7%4`); "a profile of one GPU job" is one more ddp job. The five
+#: days' Ray lab embeds the documents, then runs a Ray Tune study with ASHA and one with PBT, each
+#: on two nodes as lesson 09 shows. Lesson 10's Slurm mistakes are refused or fail at once: no
+#: GPU-hours.
 PLANS = {
     "1-hour": [[LabJob("ddp", "2nG")]],
     "1-day": [[LabJob("std", "1n1g"), LabJob("ddp", "1n1g"), LabJob("ddp", "1nG"),
@@ -53,10 +59,15 @@ PLANS = {
                [LabJob("ddp", "1nG"), LabJob("hpo", "1n1g", count=8, at_once=4)]],
     "5-days": [[LabJob("std", "1n1g")],
                [LabJob("ddp", "1n1g"), LabJob("ddp", "1nG"), LabJob("ddp", "2nG"),
-                LabJob("lit", "2nG")],
-               [LabJob(stage, shape) for stage in ("fsdp", "tp", "pp") for shape in ("1nG", "2nG")],
-               [LabJob("lora", "1nG", count=4)],
-               [LabJob("ddp", "1nG"), LabJob("hpo", "1n1g", count=8, at_once=4)]],
+                LabJob("lit", "2nG"), LabJob("fsdp", "1nG"), LabJob("fsdp", "2nG")],
+               [LabJob(stage, shape) for stage in ("tp", "pp") for shape in ("1nG", "2nG")]
+               + [LabJob("lora", "1nG", count=4)],
+               [LabJob("resnet", "1n1g"), LabJob("resnet", "1nG"), LabJob("resnet", "2nG"),
+                LabJob("ddp", "1nG")],
+               [LabJob("hpo", "1n1g", count=8, at_once=4),
+                LabJob("ray", "2nG", script="ray_embed.py"),
+                LabJob("ray", "2nG", script="ray_tune_gpt2.py --scheduler asha"),
+                LabJob("ray", "2nG", script="ray_tune_gpt2.py --scheduler pbt")]],
 }
 
 
@@ -73,6 +84,7 @@ class PlannedJob:
     hours: float
     hours_from: str  # "self-test" or "time limit"
     run_dir: str
+    script: str = None  # a Ray job's driver
 
     @property
     def gpu_hours(self):
@@ -85,12 +97,22 @@ def check_plan(name):
     return PLANS[name]
 
 
+def stage_topologies(stage, profile):
+    """The shapes a site has batch files of the stage for: Ray's on the widest shapes, HPO's on
+    one GPU and two nodes, a training stage's on the profile's topologies it can run on."""
+    if stage == "ray":
+        return slurm.widest_topologies(profile)
+    if stage == "hpo":
+        return slurm.hpo_topologies(profile)
+    return slurm.topologies_for(stage, profile)
+
+
 def site_topology(profile, stage, shape):
     """The site's shape for a lab's: 1n1g as it is; a full node ("1nG") or two ("2nG") as the
     stage's topology of that many nodes with the most GPUs per node; None where the site has no
     such topology for the stage (a pipeline of more stages than blocks, say)."""
     nodes = int(shape[0])
-    candidates = [t for t in slurm.topologies_for(stage, profile) if t.nodes == nodes
+    candidates = [t for t in stage_topologies(stage, profile) if t.nodes == nodes
                   and (shape != "1n1g" or t.gpus == 1)]
     return max(candidates, key=lambda t: t.gpus, default=None)
 
@@ -137,7 +159,7 @@ def job_hours(job, topology, profile, rates):
     """(hours, where they come from): the tokens at the measured rate, within the time limit."""
     limit = slurm.slurm_seconds(profile["time"]) / 3600
     stage = "std" if job.stage == "hpo" else job.stage  # an HPO trial is a std run
-    if stage not in rates:  # not a GPT stage (lora), or one the self-test did not run
+    if stage not in rates:  # not a GPT stage (lora, resnet, ray), or one the self-test did not run
         return limit, "time limit"
     if job.stage == "hpo":  # the array's tasks share the study's trials
         tokens, gpus = hpo_tokens(profile) / job.count, 1
@@ -160,20 +182,58 @@ def planned_jobs(plan_name, profile, rates):
             file = f"batch-{job.stage}-{topology.name}.sh"
             jobs.append(PlannedJob(day, job.stage, file, topology.nodes, topology.processes,
                                    job.count, job.at_once or job.count, hours, source,
-                                   f"runs/{profile['name']}-{job.stage}-{topology.name}"))
+                                   f"runs/{profile['name']}-{job.stage}-{topology.name}",
+                                   job.script))
     return jobs, left_out
+
+
+def resnet_parameters(width, classes=RESNET_CLASSES):
+    """Parameters of lesson 08's ResNet (solutions/resnet.py: ResNet-18's layout, its channels
+    scaled by ``width``) with the 7x7 stem of large images: 11,689,512 at width 64 and 1000
+    classes, torchvision's resnet18."""
+    total, channels = 3 * width * 7 * 7 + 2 * width, width  # the stem: convolution, batch norm
+    for n in range(4):
+        out = width * 2**n
+        for block in range(2):
+            block_in = channels if block == 0 else out
+            total += block_in * out * 9 + out * out * 9 + 2 * (2 * out)
+            if block_in != out:  # the shortcut's 1x1 convolution and batch norm
+                total += block_in * out + 2 * out
+        channels = out
+    return total + channels * classes + classes
+
+
+def ray_tune_checkpoints(profile, driver):
+    """Checkpoints a Ray job's driver leaves: none for ray_embed.py (its vectors of the course's
+    documents are a few MB); for a Ray Tune study on the HPO study's budget (hpo_args' trials:
+    lesson 09 compares the two), each ASHA trial's final one (the trainer saves at its last
+    step), and with PBT, for each trial, the ones Ray keeps of those it reported for the others
+    to copy (solutions/ray_tune_gpt2.py: as many as the trainer keeps) and the trainer's own."""
+    if not driver.startswith("ray_tune_gpt2.py"):
+        return 0
+    trials = flag_value(profile["hpo_args"], "--trials", 1)
+    if "pbt" not in driver.split():
+        return trials
+    return trials * 2 * runs.KEEP_CHECKPOINTS
 
 
 def run_dir_bytes(profile, job):
     """What a job's run directory holds at most, by the preset's parameters: the kept
     checkpoints and the one being written; for lora the fine-tuned model, once per submission
-    (each config's run is moved aside before the next: book/instructor.md, day 4)."""
+    (each config's run is moved aside before the next: book/instructor.md, day 3); for resnet
+    the ResNet's checkpoints; for a Ray job what its driver keeps."""
     stage = job.stage
     parameters = memory.Model.from_preset(presets.get_preset(profile["preset"])).parameters
     if stage == "lora":
         return job.count * BYTES_PER_MODEL_PARAMETER * parameters
     if stage == "hpo":  # every completed trial keeps its final checkpoint
         return flag_value(profile["hpo_args"], "--trials", 1) * \
+            BYTES_PER_CHECKPOINTED_PARAMETER * parameters
+    if stage == "resnet":
+        width = flag_value(profile["resnet_args"], "--width", 64)
+        return (runs.KEEP_CHECKPOINTS + 1) * BYTES_PER_RESNET_PARAMETER * resnet_parameters(width)
+    if stage == "ray":
+        return job.count * ray_tune_checkpoints(profile, job.script) * \
             BYTES_PER_CHECKPOINTED_PARAMETER * parameters
     return (runs.KEEP_CHECKPOINTS + 1) * BYTES_PER_CHECKPOINTED_PARAMETER * parameters
 
@@ -207,7 +267,8 @@ def make_plan(plan_name, profile, trainees, report=None, margin=DEFAULT_MARGIN, 
                      "gpu_hours_per_trainee": sum(job.gpu_hours for job in todays),
                      "reservation": {"nodes": nodes, "hours": hours}})
     per_trainee = sum(job.gpu_hours for job in jobs)
-    run_dirs = {job.run_dir: run_dir_bytes(profile, job) for job in jobs}  # a file again: the same
+    # a file submitted again writes the same run directory; a Ray driver, its own folder
+    run_dirs = {(job.run_dir, job.script): run_dir_bytes(profile, job) for job in jobs}
     return {"plan": plan_name, "site": profile["name"], "trainees": trainees,
             "gpus_per_node": gpus_per_node, "margin": margin,
             "hours_from": "self-test" if report else "time limits", "days": days,
@@ -234,7 +295,8 @@ def as_text(plan):
             gpu_hours = job["gpus"] * job["hours"] * job["count"]
             lines.append(f"  {job['file']:<22} {job['nodes']:>5} {job['gpus']:>5} "
                          f"{job['count']:>6} {job['hours']:>6.2f}  {gpu_hours:,.1f}"
-                         f"{'' if job['hours_from'] == 'self-test' else '  (time limit)'}")
+                         f"{'' if job['hours_from'] == 'self-test' else '  (time limit)'}"
+                         f"{'  ' + job['script'] if job['script'] else ''}")
         reservation = day["reservation"]
         lines.append(f"  reservation for everyone's jobs at once: {reservation['nodes']} nodes "
                      f"for {reservation['hours']:.2f} h")
