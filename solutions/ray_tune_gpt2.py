@@ -175,7 +175,12 @@ def main(argv=None):
         tune_config=tune.TuneConfig(metric="val_loss", mode="min", scheduler=scheduler,
                                     search_alg=BasicVariantGenerator(random_state=args.seed),
                                     num_samples=args.trials, max_concurrent_trials=concurrent),
-        run_config=tune.RunConfig(name="ray", storage_path=str(args.study_dir), verbose=0))
+        # Ray keeps every checkpoint a trial reports unless told: under PBT one per validation
+        # of every trial, hundreds of GB at the gpt2-124m preset. A trial that exploits another
+        # copies that one's latest.
+        run_config=tune.RunConfig(name="ray", storage_path=str(args.study_dir), verbose=0,
+                                  checkpoint_config=tune.CheckpointConfig(
+                                      num_to_keep=runs.KEEP_CHECKPOINTS)))
     results = tuner.fit()
     best = results.get_best_result(scope="all")  # the best validation any trial reached
     steps = steps_trained(args.study_dir)
