@@ -136,9 +136,11 @@ class GPT(nn.Module):
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, x):
-        """Token ids (B, T) in, logits (B, T, vocab) out. Without its embeddings the model reads
-        the residual stream (B, T, C) instead; without its head it returns it."""
+    def forward(self, x, last_position_only=False):
+        """Token ids (B, T) in, logits (B, T, vocab) out, or (B, 1, vocab) with
+        ``last_position_only``: sampling needs no more, and the head's vocabulary-wide matmul at
+        every position was most of a sample's time. Without its embeddings the model reads the
+        residual stream (B, T, C) instead; without its head it returns it."""
         if self.transformer.wte is not None:
             pos = torch.arange(x.shape[1], device=x.device)
             x = self.transformer.wte(x) + self.transformer.wpe(pos)
@@ -146,6 +148,8 @@ class GPT(nn.Module):
             x = block(x)
         if self.lm_head is None:
             return x
+        if last_position_only:
+            x = x[:, -1:, :]
         return self.lm_head(self.transformer.ln_f(x))
 
     @torch.no_grad()
@@ -154,7 +158,7 @@ class GPT(nn.Module):
         """Continue ``idx`` by sampling from the top_k most likely tokens, one token at a time.
         ``last_logits(context)`` gives the logits of the context's last position: the model's
         forward, unless a stage that spreads the model over processes says how to get them."""
-        last_logits = last_logits or (lambda context: self(context)[:, -1, :])
+        last_logits = last_logits or (lambda context: self(context, last_position_only=True)[:, -1])
         for _ in range(max_new_tokens):
             logits = last_logits(idx[:, -self.config.block_size:]) / temperature
             top_values, _ = torch.topk(logits, top_k)

@@ -72,6 +72,19 @@ def test_attention_is_causal():
     assert torch.equal(before[0, :5], after[0, :5]) and not torch.equal(before[0, 5:], after[0, 5:])
 
 
+def test_sampling_reads_the_head_at_the_last_position_alone_and_draws_what_the_whole_head_gives():
+    torch.manual_seed(0)
+    model = std.GPT(std.GPTConfig(vocab_size=100, block_size=8, n_layer=2, n_head=2, n_embd=16))
+    idx = torch.randint(0, 100, (2, 6))
+    last = model(idx, last_position_only=True)
+    assert last.shape == (2, 1, 100)
+    assert torch.allclose(last[:, 0], model(idx)[:, -1], atol=1e-6)
+    whole_head = model.generate(idx, 5, generator=torch.Generator().manual_seed(1),
+                                last_logits=lambda context: model(context)[:, -1])
+    assert torch.equal(model.generate(idx, 5, generator=torch.Generator().manual_seed(1)),
+                       whole_head)
+
+
 def test_no_weight_decay_on_biases_and_norms():
     model = std.GPT(std.GPTConfig(vocab_size=100, block_size=8, n_layer=1, n_head=2, n_embd=16))
     decay, no_decay = std.configure_optimizer(model, 1e-3, 0.1, torch.device("cpu")).param_groups
