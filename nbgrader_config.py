@@ -50,6 +50,8 @@ c.ExchangeFactory.release_feedback = grading.ReadableFeedbackRelease
 # runs) are not executed, and no graded cell may carry that tag (the kit's sanitising step).
 c.Execute.skip_cells_with_tag = grading.DEMO_TAG
 c.Autograde.sanitize_preprocessors = grading.sanitize_preprocessors()
+# Student versions carry no instructor's note (cells tagged "instructor").
+c.GenerateAssignment.preprocessors = grading.generate_preprocessors()
 # Feedback, which trainees read, shows no hidden test.
 c.GenerateFeedback.preprocessors = grading.feedback_preprocessors()
 # The class's course id and exchange (release, fetch, submit, collect), from course.toml.

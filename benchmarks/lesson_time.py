@@ -68,6 +68,8 @@ def sections(lesson, seconds):
     cells = nbformat.read(KIT_ROOT / "notebooks" / lesson / f"{lesson}.ipynb", as_version=4).cells
     found = [["(opening)", 0.0, 0.0, 0.0]]
     for index, cell in enumerate(cells):
+        if grading.INSTRUCTOR_TAG in cell.metadata.get("tags", []):
+            continue  # not the trainee's to read
         if cell.cell_type == "markdown":
             for line in cell.source.splitlines():
                 if line.startswith("## "):

@@ -32,6 +32,10 @@ from coursekit.diffs import WORKING_COPIES
 
 #: The cell tag that autograde skips (nbgrader_config.py sets it as Execute.skip_cells_with_tag).
 DEMO_TAG = "demo"
+#: The cell tag of an instructor's note inside a lesson (a Markdown cell where the point applies):
+#: the instructor's edition of the book shows it; student versions and the reader's edition drop
+#: the cell (remove_instructor_notes).
+INSTRUCTOR_TAG = "instructor"
 #: The kernel autograde runs submissions in (coursekit/jupyter/kernels/, coursekit/sandbox.py).
 GRADING_KERNEL = "coursekit-grading"
 #: Lessons that grade the working copies (coursekit.diffs) handed in with the notebook: {lesson:
@@ -114,6 +118,27 @@ class FeedbackWithoutHiddenTests(ClearHiddenTests):
             if output.output_type == "error":
                 output.traceback = [f"{output.ename}: {output.evalue}"]
         return cell, resources
+
+
+def remove_instructor_notes():
+    """nbconvert's TagRemovePreprocessor, set to drop the cells tagged INSTRUCTOR_TAG."""
+    from nbconvert.preprocessors import TagRemovePreprocessor
+    return TagRemovePreprocessor(remove_cell_tags={INSTRUCTOR_TAG}, enabled=True)
+
+
+class WithoutInstructorNotes(NbGraderPreprocessor):
+    """Student versions leave out the instructor's notes: the first of generate_assignment's
+    steps (nbgrader_config.py)."""
+
+    def preprocess(self, nb, resources):
+        return remove_instructor_notes().preprocess(nb, resources)
+
+
+def generate_preprocessors():
+    """`WithoutInstructorNotes`, then nbgrader's own steps for a student version."""
+    from nbgrader.converters import GenerateAssignment
+    return [WithoutInstructorNotes,
+            *GenerateAssignment.class_traits()["preprocessors"].default()]
 
 
 def feedback_preprocessors():

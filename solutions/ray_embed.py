@@ -36,13 +36,14 @@ class Embedder:
         return {"index": batch["index"], "vector": rag.embed(self.model, batch["text"])}
 
 
-def embed_with_ray_data(chunks, args):
-    """The chunks' vectors, row i for chunk i, embedded by ``args.workers`` replicas."""
+def embed_with_ray_data(chunks, args, replica=Embedder):
+    """The chunks' vectors, row i for chunk i, embedded by ``args.workers`` copies of
+    ``replica`` (lesson 09 passes its own)."""
     import ray
 
     gpus = args.device in ("auto", "cuda") and ray.cluster_resources().get("GPU", 0) > 0
     items = ray.data.from_items([{"index": i, "text": c.text} for i, c in enumerate(chunks)])
-    embedded = items.map_batches(Embedder, fn_constructor_args=(args.embedder,
+    embedded = items.map_batches(replica, fn_constructor_args=(args.embedder,
                                                                 "cuda" if gpus else "cpu"),
                                  batch_size=args.batch_size, num_gpus=1 if gpus else 0,
                                  compute=ray.data.ActorPoolStrategy(size=args.workers))

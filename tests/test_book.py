@@ -9,7 +9,7 @@ import nbformat
 import pytest
 import yaml
 
-from coursekit import KIT_ROOT, book, diffs, grading
+from coursekit import KIT_ROOT, KitError, book, diffs, grading
 
 # the first test builds the book (conftest.built_book), from nbval's executions of the lessons
 # when the session runs nbval, executing them itself otherwise
@@ -244,3 +244,58 @@ def test_the_instructors_edition_shows_every_solution_and_hidden_test(instructor
         page = readable_text(instructor_book / "notebooks" / lesson / f"{lesson}.html")
         assert sorted(line for line in lines if line not in page) == []
         assert "instructor's edition" in page
+
+
+def instructors_notes(lesson):
+    """A line of plain words (no markup, which the page renders away) from each instructor's
+    note of ``lesson``, its whitespace folded."""
+    notebook = nbformat.read(KIT_ROOT / "notebooks" / lesson / f"{lesson}.ipynb", as_version=4)
+    notes = [cell.source.splitlines()[2:-1] for cell in notebook.cells
+             if grading.INSTRUCTOR_TAG in cell.metadata.get("tags", [])]
+    return [folded(max((line for line in note if not re.search(r"[*`$_{}\[\]<>]", line)),
+                       key=len)) for note in notes]
+
+
+def folded(text):
+    return " ".join(text.split())
+
+
+def test_instructors_notes_show_in_the_instructors_edition_alone(html, instructor_book):
+    reader_site = folded("\n".join(site_text(html).values()))
+    for path in book.lesson_notebooks(KIT_ROOT):
+        lesson = path.parent.name
+        notes = instructors_notes(lesson)
+        instructor_page = folded(readable_text(instructor_book / "notebooks" / lesson /
+                                               f"{lesson}.html"))
+        assert notes, f"{lesson} has no instructor's note"
+        assert [note for note in notes if note not in instructor_page] == []
+        assert [note for note in notes if note in reader_site] == []
+
+
+def lesson_that_sleeps(folder, name, code):
+    """A notebook ``name`` whose one cell writes when it started and ended, around ``code``."""
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
+        "import time, pathlib\nstarted = time.time()\n" + code +
+        f"\npathlib.Path('{name}.times').write_text(f'{{started}} {{time.time()}}')")])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                       "language": "python"}
+    path = folder / f"{name}.ipynb"
+    nbformat.write(notebook, path)
+    return path
+
+
+def test_lessons_without_an_execution_run_two_at_a_time_into_the_cache(tmp_path):
+    lessons = [lesson_that_sleeps(tmp_path, name, "time.sleep(3)") for name in ("a", "b")]
+    book.execute_missing(lessons, tmp_path / "cache", timeout=60, at_once=2)
+    (a_start, a_end), (b_start, b_end) = (
+        map(float, (tmp_path / f"{name}.times").read_text().split()) for name in ("a", "b"))
+    assert a_start < b_end and b_start < a_end  # side by side
+    assert all(book.has_execution(lesson, tmp_path / "cache") for lesson in lessons)
+
+
+def test_a_lesson_that_fails_to_execute_is_named_and_the_ones_after_it_are_not_run(tmp_path):
+    lessons = [lesson_that_sleeps(tmp_path, name, code) for name, code in (
+        ("first", "time.sleep(1)"), ("second", "time.sleep(5)"), ("failing", "1 / 0"))]
+    with pytest.raises(KitError, match=r"^failing\.ipynb failed to execute:"):
+        book.execute_missing(lessons, tmp_path / "cache", timeout=60, at_once=2)  # last first
+    assert not (tmp_path / "first.times").exists()  # cancelled before it started

@@ -52,7 +52,7 @@ INSTRUCTOR = "kit-instructor"
 SOLVED, ONE_UNSOLVED, CELL_RENAMED = "kit-alice", "kit-bob", "kit-dave"
 ABSENT = "kit-carol"  # on the roster, hands nothing in
 TRAINEES = (SOLVED, ONE_UNSOLVED, CELL_RENAMED, ABSENT)
-UNSOLVED = "efficiency"  # bob's exercise left as released
+UNSOLVED = "most_gpus"  # bob's exercise left as released
 
 
 def deleted_test():

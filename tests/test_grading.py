@@ -24,24 +24,14 @@ LESSONS = grading.lessons(KIT_ROOT)
 #: source}}. Each is graded in place of that exercise's solution and must score 0 on its tests.
 SHORTCUTS = {
     "00-gpus-and-hpc": {
-        "speedup": """
+        "most_gpus": """
             from coursekit import scaling
 
-            def speedup(t1, tp):
-                return scaling.speedup(t1, tp)""",
-        "efficiency": """
-            from coursekit.scaling import efficiency as kit_efficiency
-
-            def efficiency(t1, tp, p):
-                return kit_efficiency(t1, tp, p)""",
-        "amdahl": """
-            from coursekit import scaling
-            amdahl_speedup = scaling.amdahl_speedup""",
-        "serial_fraction": """
-            from coursekit import scaling
-
-            def serial_fraction(t1, tp, p):
-                return scaling.karp_flatt(t1, tp, p)""",
+            def most_gpus(t1, tp, p, min_efficiency):
+                serial = scaling.karp_flatt(t1, tp, p)
+                if serial <= 0:
+                    return None
+                return max(1, int((1 / min_efficiency - 1 + serial) / serial))""",
     },
     "00b-deep-learning": {
         "train_step": """
@@ -68,11 +58,12 @@ SHORTCUTS = {
 
             def steps_per_epoch(dataset_tokens, micro_batch, grad_accum, seq_len):
                 return scaling.steps_per_epoch(dataset_tokens, micro_batch, grad_accum, seq_len)""",
-        "parameters": """
-            from coursekit import memory
-
-            def gpt2_parameters(n_layer, n_embd, vocab_size, block_size):
-                return memory.Model(n_layer, n_embd, 1, vocab_size, block_size).parameters""",
+        "describe_checkpoint": """
+            def describe_checkpoint(shapes):  # every tensor counted, the tied head twice
+                vocab_size, n_embd = shapes["transformer.wte.weight"]
+                n_layer = len({n.split(".")[2] for n in shapes if n.startswith("transformer.h.")})
+                return (n_layer, n_embd, vocab_size, shapes["transformer.wpe.weight"][0],
+                        sum(math.prod(shape) for shape in shapes.values()))""",
         "flops": """
             def flops_per_token(n_layer, n_embd, seq_len, vocab_size):
                 return perf.flops_per_token(n_layer, n_embd, seq_len, vocab_size)""",
@@ -85,6 +76,9 @@ SHORTCUTS = {
                 level = ["ddp", "zero1", "zero2", "fsdp"].index(strategy)
                 return memory.data_parallel_bytes(SimpleNamespace(parameters=n_params), level,
                                                   world_size, "fp32")""",
+        "best_microbatches": """
+            def best_microbatches(stages, batch, overhead, per_sample):  # the bubble alone
+                return batch""",
     },
     "06-mlops": {
         "sha256_manifest": """
@@ -99,10 +93,21 @@ SHORTCUTS = {
                 budgets = [max_resource / eta**s for s in range(pruner._n_brackets - 1, -1, -1)]
                 return list(zip(pruner._trial_allocation_budgets, budgets))""",
     },
-    "09-ray-rag": {
-        "mean_reciprocal_rank": """
-            def mean_reciprocal_rank(ranks):
-                return rag.mean_reciprocal_rank(list(ranks))""",
+    "08-vision": {  # the slowest stage of all, and every core a worker
+        "plan_loader": """
+            def plan_loader(timings, loader_stages, cores):
+                return max(timings, key=timings.get), cores - 1""",
+    },
+    "09-ray-rag": {  # the model loaded for every batch, not once an actor
+        "embedder": """
+            class Embedder:
+                def __init__(self, name_or_path, device):
+                    self.name_or_path, self.device = name_or_path, device
+
+                def __call__(self, batch):
+                    model = rag.embedder(self.name_or_path, device=self.device)
+                    return {"index": batch["index"],
+                            "vector": rag.embed(model, list(batch["text"]))}""",
         "token_f1": """
             from coursekit.rag import token_f1 as kit_token_f1
 
@@ -326,6 +331,9 @@ def test_release_holds_no_solutions_or_hidden_tests(course, lesson):
     # a marked line may also appear unmarked (a closing bracket, `pass`): only the others count
     assert sorted((marked - unmarked) & released_lines) == []
     assert "raise NotImplementedError()" in released_lines
+    source = nbformat.read(lesson_notebook(lesson), as_version=4)
+    notes = [c.source for c in source.cells if grading.INSTRUCTOR_TAG in c.metadata.get("tags", [])]
+    assert notes and not any(note in cell.source for note in notes for cell in cells)
 
 
 @pytest.mark.parametrize("lesson", LESSONS)

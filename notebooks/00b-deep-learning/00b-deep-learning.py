@@ -75,6 +75,12 @@ print(x_all.shape, y_all.shape)
 # `shape` (its size along each dimension), a `dtype` (the kind of number: 32-bit floats unless
 # you say otherwise) and a `device` (where its memory is).
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# Tell trainees to read `.shape` first: most errors in PyTorch are shape errors.
+# :::
+
 # %%
 a = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])  # nested lists: 2 rows, 3 columns
 print(a.shape, a.dtype, a.device)
@@ -146,6 +152,14 @@ print(f"y = {y.item()}, dy/dx by autograd = {x.grad.item()}, "
 #   model's parameters) keep a `.grad`; results computed from them do not.
 # - Inside `with torch.no_grad():` nothing is recorded: for evaluating a model, and for changing
 #   its parameters in place. `t.detach()` is the same numbers as `t`, cut off from the record.
+
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# *`backward()` replaces the gradient.* Spot it in `train_step`s without `zero_grad()`,
+# whose gradients pile up from one call to the next. The autograd section's second
+# `backward` answers it.
+# :::
 
 # %%
 y = x**3 - 2 * x
@@ -294,6 +308,18 @@ print(f"loss {loss.item():.3f} before the step, "
 # `loss.backward()` (the new gradients), `optimizer.step()` (update the parameters). A hundred
 # such steps find the line:
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# - *The losses of microbatches add up to the minibatch's.* Spot it when exercise 2's
+#   visible test of four microbatches against the whole batch fails: the step is four
+#   times too large, as `loss_fn` is a mean.
+# - Say here that the three calls of a step (`zero_grad`, `backward`, `step`) are in
+#   every stage script of the course (find them in `solutions/train_gpt2_std.py`);
+#   exercise 2's accumulation is lesson 01's `grad_accum`, and DDP (lesson 02) averages
+#   gradients over GPUs the way it averages them over microbatches.
+# :::
+
 # %% tags=["demo"]
 line = make_model(0)
 optimizer = torch.optim.SGD(line.parameters(), lr=0.1)
@@ -392,6 +418,15 @@ for minibatches, make_optimizer in (
 #
 # No model can do better than the noise here: the best possible predictor, $\sin 2x$ itself,
 # has a mean squared error of $0.3^2 = 0.09$ on new data.
+
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# - *A low training loss is a good model.* Spot it when a trainee calls the run with the
+#   lowest training loss the best fit in exercise 4. The validation curves answer it.
+# - Say here that the validation loss, not the training loss, is what early stopping and
+#   hyperparameter searches (lesson 07) watch.
+# :::
 
 # %%
 order = torch.randperm(len(x_all), generator=torch.Generator().manual_seed(0))
@@ -636,6 +671,13 @@ plt.show()
 # between CPU and GPU memory is far slower than computing on them, so a training run moves the
 # model there once (`model.to(device)`) and each batch as it comes (`x.to(device)`). Lesson 01
 # trains a GPT that way; the lessons after it spread the work over many GPUs.
+
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# *The GPU is always faster.* Spot it when trainees move the lesson's tiny models to a
+# GPU and wait longer. The left end of the speed plot answers it.
+# :::
 
 # %% [markdown]
 # ## Key points

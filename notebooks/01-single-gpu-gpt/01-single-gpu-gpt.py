@@ -31,11 +31,12 @@
 #
 # **Prerequisites.** Lessons 00 and 00b (PyTorch tensors, `nn.Module` and a training loop).
 #
-# **Time.** About 45 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
+# **Time.** About 50 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
 # The time is an estimate; the instructor guide says how it is made.
 
 # %%
 import json
+import math
 import subprocess
 import sys
 import time
@@ -81,6 +82,14 @@ LONGER_RUNS = torch.cuda.is_available()
 # - **Epoch**: one pass over the data set.
 #
 # The identity that ties them: *tokens = steps × B × grad_accum × T*.
+
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# *Gradient accumulation changes what is learned.* Spot it when trainees expect
+# different losses at the same global batch. It is the same sum of gradients, in more
+# passes.
+# :::
 
 # %%
 encoding = data.gpt2_encoding()
@@ -174,6 +183,13 @@ widgets.batch_calculator()
 #   position's vector into a score (logit) for every token. GPT-2 *ties* it to `wte`: the same
 #   matrix reads tokens in and writes them out.
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# *A tied embedding counts twice.* Spot it in parameter counts near 163 M for GPT-2
+# small.
+# :::
+
 # %%
 from coursekit import stages
 
@@ -189,33 +205,55 @@ print(model)
 print(f"{sum(p.numel() for p in model.parameters()):,} parameters")
 
 # %% [markdown]
-# **Exercise 2.** Write `gpt2_parameters(n_layer, n_embd, vocab_size, block_size)`, the number of
-# parameters of this GPT with tied embeddings. Per block: two LayerNorms ($2d$ each: gain and
-# bias), q, k and v ($d \times d$ + bias each), attention `c_proj` ($d \times d$ + bias), `c_fc`
-# ($d \times 4d$ + bias), MLP `c_proj` ($4d \times d$ + bias). Plus the embeddings and the final
-# LayerNorm. GPT-2 small (50,257 tokens, 1,024 positions, 12 layers, 768 wide) has 124,439,808.
+# **Exercise 2.** A checkpoint says what model it holds only through its tensors' names and
+# shapes. Write `describe_checkpoint(shapes)`: `shapes` maps each name of a GPT's
+# `state_dict()` to its shape, as `{name: tuple(t.shape) for name, t in
+# model.state_dict().items()}` gives them (try it on the model above). Return
+# `(n_layer, n_embd, vocab_size, block_size, parameters)`: the model's sizes (the vocabulary as
+# its embedding has it) and its number of parameters, as `model.parameters()` counts them.
 
-# %% nbgrader={"grade": false, "grade_id": "parameters", "locked": false, "schema_version": 3, "solution": true, "task": false}
-def gpt2_parameters(n_layer, n_embd, vocab_size, block_size):
+# %% nbgrader={"grade": false, "grade_id": "describe_checkpoint", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def describe_checkpoint(shapes):
     ### BEGIN SOLUTION
-    d = n_embd
-    per_block = (2 * 2 * d + (3 * d * d + 3 * d) + (d * d + d) + (4 * d * d + 4 * d)
-                 + (4 * d * d + d))
-    return vocab_size * d + block_size * d + n_layer * per_block + 2 * d
+    vocab_size, n_embd = shapes["transformer.wte.weight"]
+    block_size = shapes["transformer.wpe.weight"][0]
+    blocks = {name.split(".")[2] for name in shapes
+              if name.startswith("transformer.h.")}
+    n_layer = len(blocks)
+    # the head is tied to the token embedding: one matrix, listed under both names
+    parameters = sum(math.prod(shape) for name, shape in shapes.items()
+                     if name != "lm_head.weight")
+    return n_layer, n_embd, vocab_size, block_size, parameters
     ### END SOLUTION
 
 
-# %% nbgrader={"grade": true, "grade_id": "parameters_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-assert gpt2_parameters(12, 768, 50257, 1024) == 124_439_808
-assert gpt2_parameters(config.n_layer, config.n_embd, config.vocab_size,
-                       config.block_size) == sum(p.numel() for p in model.parameters())
+# %% nbgrader={"grade": true, "grade_id": "describe_checkpoint_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+sizes = (config.n_layer, config.n_embd, config.vocab_size, config.block_size)
+assert describe_checkpoint(shapes)[:4] == sizes
 ### BEGIN HIDDEN TESTS
 from coursekit import exercise, memory
 
+
+def checkpoint_of(**sizes):
+    """The state_dict shapes of a GPT of ``sizes``, and its parameter count."""
+    with torch.device("meta"):  # shapes only
+        made = gpt.GPT(gpt.GPTConfig(**sizes))
+    return ({name: tuple(t.shape) for name, t in made.state_dict().items()},
+            sum(p.numel() for p in made.parameters()))
+
+
+small, _ = checkpoint_of(vocab_size=50257, block_size=1024, n_layer=12, n_head=12,
+                         n_embd=768)
+odd, odd_count = checkpoint_of(vocab_size=1000, block_size=48, n_layer=3, n_head=2,
+                               n_embd=40)
 with exercise.own_work(memory.Model.parameters.fget, memory.Model.block_parameters.fget,
                        memory.Model.embedding_parameters.fget):
-    assert gpt2_parameters(12, 768, 50304, 1024) == 124_475_904
-    assert gpt2_parameters(0, 8, 10, 4) == 10 * 8 + 4 * 8 + 16
+    assert describe_checkpoint(small) == (12, 768, 50257, 1024, 124_439_808)
+    assert describe_checkpoint(odd) == (3, 40, 1000, 48, odd_count)
+    backwards = dict(reversed(odd.items()))  # any order of names
+    assert describe_checkpoint(backwards) == (3, 40, 1000, 48, odd_count)
+    assert describe_checkpoint(shapes)[4] == sum(p.numel() for p in model.parameters())
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -225,6 +263,14 @@ with exercise.own_work(memory.Model.parameters.fget, memory.Model.block_paramete
 # learning-rate schedule. The loss starts near $\ln V = \ln 50304 \approx 10.8$ (a uniform guess)
 # and falls as the model learns which tokens are common and which follow which. The plot updates
 # as it trains.
+
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# - *The loss at step 0 means something is wrong.* A loss near ln(50,257), about 10.8,
+#   is what a model that knows nothing gives.
+# - Say here that the tiny preset and `gpt2-124m` are the same code at different sizes.
+# :::
 
 # %% tags=["demo"]
 from IPython.display import display
@@ -296,6 +342,12 @@ print(f"({time.perf_counter() - start:.0f} s)")
 # The widget above is the kit's live monitor: `TrainingMonitor(run_dir).follow(process)` follows
 # a local process, `follow(job_id=...)` a Slurm job (the run directory is on the shared disk).
 # Below, the same numbers read back once the run has ended.
+
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# Say in the next section, on generating text: sampling with temperature and top-k.
+# :::
 
 # %% tags=["demo"]
 metrics = runs.read_metrics(run_dir)
@@ -423,6 +475,14 @@ print(f"{fpt / 1e6:.1f} MFLOP per token x {median_tokens_per_s:,.0f} tokens/s = 
 # ([discussion #481](https://github.com/karpathy/llm.c/discussions/481)): a mark for a
 # well-tuned run, not a promise for any script. The self-test (`coursekit selftest`) measures
 # your stages' MFU on your nodes.
+
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# - *100% in `nvidia-smi` means the GPU is used well.* It means a kernel was running;
+#   MFU says how much of the peak those kernels used.
+# - Say here: the six FLOPs per parameter and token, and where each comes from.
+# :::
 
 # %% [markdown]
 # ## Key points

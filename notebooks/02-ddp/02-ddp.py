@@ -99,6 +99,13 @@ LONGER_RUNS = torch.cuda.is_available()
 # Check the maths on the GPT of lesson 01 before any process is started: the gradient of 8
 # samples equals the mean of the gradients of two halves of 4.
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# *DDP splits the model.* Spot it when trainees expect less memory per GPU with more
+# GPUs. Every rank holds the whole model; lesson 04 splits it.
+# :::
+
 # %% tags=["demo"]
 config = gpt.GPTConfig(vocab_size=tiny.vocab_size, block_size=tiny.seq_len,
                        n_layer=tiny.n_layer, n_head=tiny.n_head, n_embd=tiny.n_embd)
@@ -158,6 +165,13 @@ print(demo.stdout)
 #   `model.no_sync()` skips it for the others;
 # - every rank must run the same backward passes in the same order, or the buckets never fill and
 #   the job hangs.
+
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# Say here that the all-reduce volume is nearly independent of the number of GPUs; DDP
+# hides it behind backward in buckets.
+# :::
 
 # %% tags=["demo"]
 bucket_mb = 25
@@ -260,6 +274,13 @@ for r in range(4):
 # The loader of `train_gpt2_ddp.py` does the same: two ranks with microbatch 4 see, between them,
 # the 8 samples that one process with microbatch 8 sees.
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# *Every rank may read the same batches.* Spot it when a copy's ranks all start at
+# offset 0. Exercise 2 and the "ranks 0 and 1 together" cell show the split.
+# :::
+
 # %% tags=["demo"]
 ranks = [ddp.TokenShardLoader(DATA, "train", 4, tiny.seq_len, rank=r,
                               world_size=2).next_batch()
@@ -298,6 +319,15 @@ print("ranks 0 and 1 together == one process with B=8:",
 # on GPUs, its `device_id`; its collectives give up after `KIT_DIST_TIMEOUT` seconds (600) rather
 # than wait for ever for a process that hung or died. A single process gets a group of one, so
 # that the same script runs alone.
+
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# - *The rank picks the GPU.* On a second node, rank 4 has no GPU 4. The local rank
+#   picks it.
+# - Say here that the conversion, hunk by hunk, is the skill the course is for (exercise
+#   3 is graded by running the trainee's script).
+# :::
 
 # %% tags=["demo"]
 print(inspect.getsource(distributed.setup))
@@ -480,6 +510,13 @@ print(f"{'1 process, ' + f'{MICROBATCH_TOKENS:,}-token steps':36s} "
 # measured speedup gives the serial fraction that Amdahl's law needs to explain it. Move the
 # processes slider to see what that fraction would cost on a whole node or a rack.
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# *A slow run means a slow network.* Exercise 4 asks for the evidence; let trainees
+# argue from the table before anyone gives an answer.
+# :::
+
 # %% tags=["demo"]
 widgets.scaling_calculator({1: 1 / throughput(one), NPROC: 1 / throughput(many)})
 
@@ -549,6 +586,13 @@ assert limit == {"A": "scales well", "B": "network", "C": "input pipeline",
 # at the preset's learning rate, the $N$-times larger batch at the same learning rate (the run
 # of the scaling section), and the larger batch at the square-root-scaled learning rate. We
 # compare the validation loss at the end.
+
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# *The learning rate stays when the global batch grows.* Spot it in weak-scaling runs
+# whose loss per token falls behind.
+# :::
 
 # %% tags=["demo"]
 # the square-root rule

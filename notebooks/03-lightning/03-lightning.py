@@ -147,6 +147,16 @@ assert lightning_does_it[
 # **Trainer** decides *where* and *how*: devices, strategy, precision, accumulation, clipping,
 # when to validate and checkpoint. Here are the hooks of the stage script's `LitGPT`:
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# - *Lightning adapts everything to the number of GPUs.* Exercise 1, above, is the
+#   moment to find out what it does and does not do; discuss the answers after the
+#   deadline.
+# - Say, of the section above: what a framework takes over and what stays yours (data,
+#   learning rate, checkpoint content).
+# :::
+
 # %%
 for name, member in vars(lit.LitGPT).items():
     if callable(member) and not name.startswith("_"):
@@ -296,6 +306,14 @@ for flags in refusals:
 # CUDA must not be initialised in the kernel before the fork. The stage script's `main` takes its
 # arguments as a list, so the kernel can run it directly, on 2 processes:
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# *`ddp_notebook` and `ddp` are interchangeable.* Spot it in "cannot re-initialise CUDA
+# in a forked subprocess". A notebook forks; a script under Slurm starts one process per
+# task.
+# :::
+
 # %% tags=["demo"]
 # 2 GPUs, or 2 CPU processes
 DEVICE = "auto" if torch.cuda.device_count() >= 2 else "cpu"
@@ -409,6 +427,13 @@ assert same or DEVICE != "cpu" and max(abs(a["loss"] - b["loss"]) for a, b in zi
 # the batch file the kit's generator writes for a generic cluster with 4 GPUs per node (the same
 # generator writes every site's, and the kit's tests run its CI site's on a real Slurm cluster):
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# *The Trainer's devices and nodes can differ from the batch file's.* Spot it in jobs
+# that hang at start-up. They must equal `--ntasks-per-node` and `--nodes`.
+# :::
+
 # %% tags=["demo"]
 lit_batch_file = (KIT_ROOT / "batchfiles" / "generic" / "batch-lit-2n4g.sh").read_text()
 print("\n".join(line for line in lit_batch_file.splitlines()
@@ -422,6 +447,12 @@ print("\n".join(line for line in lit_batch_file.splitlines()
 # On `SIGUSR1` it saves `hpc_ckpt_N.ckpt` in the run directory, and the job is requeued; the
 # script's `--resume` takes the newer of that and `ckpt/last.ckpt`. Here is what it reads for
 # rank 5 of a 2-node, 8-GPU job:
+
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# Say here: requeue as a normal event on a shared cluster.
+# :::
 
 # %% tags=["demo"]
 from unittest import mock

@@ -140,6 +140,12 @@ LONGER_RUNS = torch.cuda.is_available()
 # LoRA layer that keeps the original as `base_layer`. Here it wraps a small linear layer; at
 # initialisation the wrapped layer computes exactly what the frozen one does.
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# Say here: full fine-tuning, adapters and LoRA as a trade of memory for capacity.
+# :::
+
 # %%
 torch.manual_seed(0)
 frozen = torch.nn.Linear(16, 12)
@@ -292,6 +298,17 @@ assert lora_parameters([], 8) == 0
 # (32 blocks, 4,096 wide, an MLP of 11,008, a vocabulary of 32,000; LoRA on its seven matrices
 # per block), fine-tuned fully or with LoRA at $r = 16$, on one GPU or with ZeRO on 8.
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# - *LoRA saves activation memory.* Backward still runs through every frozen layer; LoRA
+#   saves gradients and optimiser state.
+# - *ZeRO always helps.* With LoRA there is little left to shard: exercise 3 asks
+#   trainees to choose from the memory.
+# - Say here, ahead of the QLoRA section: QLoRA when the frozen weights themselves do
+#   not fit.
+# :::
+
 # %% tags=["demo"]
 def finetune_bytes_per_gpu(n_params, n_trainable, strategy, world_size):
     """fp32 bytes of weights, gradients and Adam states on one of ``world_size`` GPUs,
@@ -357,6 +374,12 @@ print(finetune_lora.format_prompt(example) + example["output"])
 # cross-entropy ignores (the model shifts the labels by one inside: position $t$ predicts token
 # $t+1$). The loss then comes only from the answer: the model is taught to answer, not to
 # reproduce instructions it will always be given.
+
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# *The loss should include the prompt.* Spot it in labels without `-100`.
+# :::
 
 # %% tags=["demo"]
 base_model, tokenizer = finetune_lora.load_pretrained(str(MODEL))
@@ -517,6 +540,13 @@ display(Markdown("\n".join(rows)))
 # fast as the base model and loadable without PEFT. First the formula on one matrix, by hand;
 # then the whole models' logits on some validation prompts.
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# *Merging an adapter changes the model's answers.* The merge is exact, up to rounding;
+# the lesson checks it.
+# :::
+
 # %% tags=["demo"]
 adapted = PeftModel.from_pretrained(base_model, single / "adapter").eval()
 merged = AutoModelForCausalLM.from_pretrained(single / "model").eval()
@@ -590,6 +620,12 @@ for config in ("single", "ddp", "fsdp", "zero2", "zero3"):
 # micro-batches of 16 on one process, 16 on each of two), so their first losses must agree;
 # after that they part, because a 6-step run warms up and decays its learning rate over 6 steps,
 # not over the long run's.
+
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# Say here: reading an Accelerate config.
+# :::
 
 # %% tags=["demo"]
 cpu_only = {"CUDA_VISIBLE_DEVICES": ""} if torch.cuda.device_count() < 2 else {}

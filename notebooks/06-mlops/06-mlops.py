@@ -347,6 +347,14 @@ for metric in ("val_loss", "loss"):
 # run under `runs/` (same tunnel or proxy, port 6006). It shows scalars, text and images per step,
 # but has no searchable table of parameters, no artifact store and no registry.
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# *A server on 127.0.0.1 is private.* Every user of that node reaches it. Run a tracking
+# server only where no one else works, your own machine or a node allocated to you
+# alone.
+# :::
+
 # %% [markdown]
 # ## Reproducibility
 #
@@ -376,6 +384,14 @@ for metric in ("val_loss", "loss"):
 # first loss is computed before any update, so it must be the same in both. Then why layouts
 # matter: floating-point addition is not associative, so the same million numbers summed in
 # shards, as an all-reduce over $N$ processes adds them, give slightly different totals.
+
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# - *The same seed reproduces a run.* The data, the code version and the environment
+#   must be the same too; the run records all of them.
+# - Say here: what to record so that someone else can rerun a result.
+# :::
 
 # %% tags=["demo"]
 first = {name: runs.read_metrics(d)[0]["loss"] for name, d in run_dirs.items()}
@@ -508,6 +524,14 @@ print(f"files that differ in the copy: "
 # calls with `__reduce__`. A harmless one here: a checkpoint whose extra entry, when unpickled,
 # calls `print`.
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# *Loading a checkpoint is harmless.* A pickle runs code. The kit's own checkpoints are
+# safetensors and JSON; the distributed formats that still unpickle are resumed only
+# when the run directory is yours and the files match the checkpoint's manifest.
+# :::
+
 # %% tags=["demo"]
 class Surprise:
     """Pickled as 'call print(...)': a stand-in for a malicious payload."""
@@ -594,6 +618,12 @@ print(f"{BEST_DIR.name}'s checkpoint {checkpoint.name}: {len(tensors)} tensors "
 # `python -m coursekit registry register RUN_DIR --name kit-std --alias champion --model-dir OUT_DIR`
 # logs it into the run's own MLflow run. The same two steps in Python, for the best run:
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# Say here: lineage from a registered model back to the data and code.
+# :::
+
 # %% tags=["demo"]
 hf_dir = RUNS / "hf-champion"
 exported = hfexport.export(BEST_DIR, hf_dir)
@@ -634,6 +664,13 @@ for prompt, completion in zip(prompts,
 #
 # On a GPU node, sample them in the background of the batch file, next to the training step, as
 # the kit's generated GPU batch files do (here a generic cluster's):
+
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# *High utilisation means an efficient run.* Utilisation is the share of time a kernel
+# ran, not how well it ran; the profiler's self and total times say where the time goes.
+# :::
 
 # %% tags=["demo"]
 std_batch_file = (KIT_ROOT / "batchfiles" / "generic" / "batch-std-1n1g.sh").read_text()

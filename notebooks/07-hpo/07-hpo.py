@@ -188,6 +188,13 @@ for name, distribution in space.items():
 # A cheap stand-in for a validation loss with two hyperparameters, $x$ that matters and $y$ that
 # hardly does:
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# *A grid is more thorough than random search.* With few hyperparameters that matter, a
+# grid tries few values of each.
+# :::
+
 # %%
 def toy_loss(x, y):
     """x matters (the best value is 0.62); y changes the loss by at most 0.02."""
@@ -458,6 +465,14 @@ for n in (10, 20, 30):
 # learning rate falls fastest at first and may end worse. Synthetic learning curves with that
 # behaviour:
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# - *Early stopping compares trials at different budgets.* Trials are compared only at
+#   the same rung.
+# - Say here: pruning as the biggest saving.
+# :::
+
 # %%
 def learning_curve(lr, steps):
     """A synthetic validation loss after `steps` steps at learning rate lr. It starts
@@ -697,6 +712,13 @@ print(f"math.log(243, 3) = {math.log(243, 3)!r}")
 # if it had the worst loss, so the next worker's model avoids its neighbourhood until the real
 # value arrives. Four workers asking at once, after 12 finished trials of the 1-D function:
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# *More workers find the best configuration proportionally faster.* Parallel proposals
+# repeat each other unless the sampler accounts for running trials (the constant liar).
+# :::
+
 # %% tags=["demo"]
 LOG_LR = {"log_lr": optuna.distributions.FloatDistribution(-4, -1)}
 finished_u = np.random.default_rng(0).uniform(-4, -1, 12)
@@ -816,6 +838,13 @@ for rule in ("cubic", "Linear", None):
 # gradient would be the same. One thread is enough: the study's two trainers are using the
 # other cores meanwhile, and more threads than cores only make them wait for each other.
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# *A learning rate tuned at one batch size carries over.* It scales with the batch; the
+# lesson's last exercise is about this.
+# :::
+
 # %% tags=["demo"]
 std = stages.load("std")  # solutions/train_gpt2_std.py, imported as a module
 # as the stage does on a CPU: reuse freed memory, fewer page faults
@@ -930,6 +959,12 @@ display(Markdown("\n".join(rows)))
 # Six-step runs are a toy budget chosen for a laptop: they reward whatever learns fastest in six
 # steps. On GPUs the same command with a thousand steps per trial, a validation every hundred and
 # a few dozen trials is a real study: the Slurm batch files below use such settings.
+
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# Say here: the budget of a study in GPU hours, before it starts.
+# :::
 
 # %% tags=["demo"]
 study_job.wait()
@@ -1096,6 +1131,12 @@ display(Markdown(f"`{HPO_BATCH.relative_to(KIT_ROOT)}`:\n\n"
 # data-parallel. `batch-hpo-2n<G>g.sh` gives every array task 2 nodes, and the driver starts
 # each trial with `srun` + `torchrun` on both (`--nodes 2 --nproc-per-node G`: the ddp stage
 # from lesson 02, one rendezvous port per trial). What differs from the single-GPU file:
+
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# Say here: two-level parallelism (trials in parallel, each one data-parallel).
+# :::
 
 # %% tags=["demo"]
 two_node = sorted((KIT_ROOT / "batchfiles" / "generic").glob("batch-hpo-2n*g.sh"))[0]

@@ -48,6 +48,12 @@
 # deadline, so that a hang here costs seconds: on a cluster it costs the job's whole time limit.
 # [The first-aid page](../../book/first-aid.md) lists every symptom with its first command.
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# Say here: the first-aid page as the place to start.
+# :::
+
 # %%
 import psutil
 import torch
@@ -246,6 +252,16 @@ assert hung.status == "failed" and "barrier at barrier-on-rank-0.py" in hung.out
 # wrote the stacks of its threads to `ranks/<rank>.stacks` before the timeout (here after
 # `KIT_WATCHDOG`=4 s with no step). The main thread's frames in the script:
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# - *A hang is a deadlock in my code.* More often it is a rank that is somewhere else:
+#   at the rendezvous, in another collective, or still loading data. The ranks' stacks
+#   say which.
+# - Say here: your site's time limits, and what a hang without a timeout costs in
+#   GPU-hours.
+# :::
+
 # %% tags=["demo"]
 def script_frames(stacks, script_name):
     """The frames of the main thread that are in the training script (the last dump)."""
@@ -362,6 +378,14 @@ assert (unused.status == "failed"
 # makes the error go away: DDP then walks the autograd graph after every forward pass to find the
 # parameters that will get no gradient. What that walk costs:
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# *`find_unused_parameters=True` is the fix for DDP's error.* It hides the parameter
+# that gets no gradient and costs a walk of the graph every step; remove or freeze the
+# parameter.
+# :::
+
 # %% tags=["demo"]
 script = broken("find-unused", "    ddp_model = DDP(model)\n",
                 "    model.value_head = torch.nn.Linear(config.n_embd, 1).to(device)"
@@ -408,6 +432,13 @@ assert same.status == "finished" and not trains_like("same-data", "reference")
 # same losses at the same global batch (lesson 02). Averaging N copies of one microbatch's
 # gradient gives that microbatch's gradient, so the broken job trains exactly as the std stage
 # does on *one* rank's share of the batch:
+
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# *The loss goes down, so the data split is right.* Every rank reading the same samples
+# also trains: compare with the std stage at the same global batch.
+# :::
 
 # %% tags=["demo"]
 micro = presets.get_preset("tiny").micro_batch * presets.get_preset("tiny").seq_len
@@ -536,6 +567,13 @@ assert nan.status == "failed" and "the weights are lost from this step on" in na
 # resumed from the last good checkpoint. Here, the std stage's model after one such step, in this
 # process:
 
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# *A NaN appears at the step where the loss shows it.* The gradient norm left its range
+# earlier.
+# :::
+
 # %% tags=["demo"]
 std_stage = stages.load("std")
 torch.manual_seed(1337)
@@ -619,6 +657,16 @@ assert (diverged_at(runs.read_metrics(RUNS / "nan")) == 2
 # One slow rank (a node whose file system is slow, a core another job also uses, a GPU that
 # throttles) slows every rank, since each waits for it in the all-reduce. Here rank 1 takes 0.3 s
 # more than rank 0 to read each batch:
+
+# %% [markdown] tags=["instructor"]
+# :::{admonition} Instructor's note
+# :class: tip
+# - *The step time shows which rank is slow.* Every rank waits for the slowest in the
+#   all-reduce, so all have the same step time; the time to *reach* the all-reduce
+#   differs.
+# - Say here: who to ask when a node is slow (`sinfo -R` for drained nodes, the site's
+#   status page).
+# :::
 
 # %% tags=["demo"]
 script = broken("straggler",
