@@ -49,7 +49,7 @@ RUN_TIME_PREFIXES = ("SLURM_", "ACCELERATE_", "FSDP_")
 
 #: What every stage imports before its first step: imported here once, shared by every child.
 PRELOADED = ("numpy", "torch", "torch._dynamo", "torch.distributed", "torch.distributed.fsdp",
-             "torch.distributed.tensor", "torch.distributed.pipelining", "lightning",
+             "torch.distributed.tensor", "torch.distributed.pipelining", "lightning", "mlflow",
              "coursekit.distributed", "coursekit.faults", "coursekit.memory", "coursekit.perf",
              "coursekit.presets", "coursekit.runs", "coursekit.tracking", "coursekit.training",
              "coursekit.watchdog", "solutions.gpt", "solutions.train_gpt2_ddp")
