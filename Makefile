@@ -157,9 +157,11 @@ COURSE_FILES := $(BUILTIN_DATA) $(INSTRUCT_DATA) $(SHAPES_DATA) $(BASE_MODEL) $(
 course-files: $(COURSE_FILES)
 
 # Each lesson executes into the book's cache (_build/.jupyter_cache; again only when its code
-# changed) as a job of its own, as soon as what it reads is made: the first beside the base
-# model's training, then two at a time, one thread each. The last lessons run longest: they start
-# first, so that the short ones fill in at the end.
+# changed) as a job of its own, one thread each. Lesson 10, the longest that reads no course file,
+# runs beside the base model's training; the others wait for the course files, then run two at a
+# time, the last (longest) first, so that the short ones fill in at the end. (Free to start,
+# they took the training chain's job slot when the training ended: make let the export and the
+# embedder, and so lessons 05 and 09, wait for every other lesson.)
 reverse = $(if $(1),$(call reverse,$(wordlist 2,$(words $(1)),$(1))) $(firstword $(1)))
 LESSONS := $(call reverse,$(notdir $(wildcard notebooks/[0-9]*)))
 EXECUTED := $(foreach lesson,$(LESSONS),_build/executed/$(lesson)/$(lesson).ipynb)
@@ -170,6 +172,7 @@ _build/executed/%.ipynb: notebooks/%.ipynb | setup envcheck $(BUILTIN_DATA) $(BO
 _build/executed/05-llm-finetuning/05-llm-finetuning.ipynb: $(BASE_MODEL) $(INSTRUCT_DATA)
 _build/executed/08-vision/08-vision.ipynb: $(SHAPES_DATA)
 _build/executed/09-ray-rag/09-ray-rag.ipynb: $(EMBED_MODEL)
+$(filter-out _build/executed/10-debugging/%,$(EXECUTED)): | $(COURSE_FILES)
 
 envcheck: setup
 	$(BIN)/python -m coursekit envcheck
