@@ -53,8 +53,8 @@ NPM_PACK := npm pack --silent
 # Two jobs at once: the set-up's steps that do not depend on each other run side by side.
 MAKEFLAGS += --jobs=2
 
-.PHONY: setup setup-site course-files envcheck book book-instructor test test-fast lab assignments \
-  trainee-kit clean
+.PHONY: setup setup-site course-files book book-instructor test test-fast lab assignments trainee-kit \
+  clean
 
 setup: $(INSTALLED) $(TOKENIZER)
 
@@ -156,36 +156,12 @@ $(EMBED_MODEL): $(BASE_MODEL) coursekit/rag.py $(wildcard book/*.md notebooks/*/
 COURSE_FILES := $(BUILTIN_DATA) $(INSTRUCT_DATA) $(SHAPES_DATA) $(BASE_MODEL) $(EMBED_MODEL)
 course-files: $(COURSE_FILES)
 
-# Each lesson executes into the book's cache (_build/.jupyter_cache; again only when its code
-# changed) as a job of its own, one thread each. Lesson 10, the longest that reads no course file,
-# runs beside the base model's training; the others wait for the course files, then run two at a
-# time, the last (longest) first, so that the short ones fill in at the end. (Free to start,
-# they took the training chain's job slot when the training ended: make let the export and the
-# embedder, and so lessons 05 and 09, wait for every other lesson.)
-reverse = $(if $(1),$(call reverse,$(wordlist 2,$(words $(1)),$(1))) $(firstword $(1)))
-LESSONS := $(call reverse,$(notdir $(wildcard notebooks/[0-9]*)))
-EXECUTED := $(foreach lesson,$(LESSONS),_build/executed/$(lesson)/$(lesson).ipynb)
-BOOK_CACHE := _build/.jupyter_cache/global.db
-_build/executed/%.ipynb: notebooks/%.ipynb | setup envcheck $(BUILTIN_DATA) $(BOOK_CACHE)
-	OMP_NUM_THREADS=1 $(BIN)/python -m coursekit book --execute $<
-	mkdir -p $(@D) && touch $@
-_build/executed/05-llm-finetuning/05-llm-finetuning.ipynb: $(BASE_MODEL) $(INSTRUCT_DATA)
-_build/executed/08-vision/08-vision.ipynb: $(SHAPES_DATA)
-_build/executed/09-ray-rag/09-ray-rag.ipynb: $(EMBED_MODEL)
-$(filter-out _build/executed/10-debugging/%,$(EXECUTED)): | $(COURSE_FILES)
-
-envcheck: setup
-	$(BIN)/python -m coursekit envcheck
-
-# The cache's database, made once before the lessons' jobs, which would each make it at once
-$(BOOK_CACHE): | setup
-	$(BIN)/python -c "from jupyter_cache import get_cache; get_cache('$(@D)').list_cache_records()"
-
-# Build the HTML book from the lessons' executions with warnings as errors. The reader's edition
-# (published) shows exercises as students get them; the instructor's edition shows solutions and
-# hidden tests (coursekit/book.py).
-BOOK_INPUTS := setup $(BOOK_JS) $(COURSE_FILES) $(EXECUTED)
+# Execute every lesson (cached in _build/.jupyter_cache: unchanged lessons are not re-run) and
+# build the HTML book with warnings as errors. The reader's edition (published) shows exercises as
+# students get them; the instructor's edition shows solutions and hidden tests (coursekit/book.py).
+BOOK_INPUTS := setup $(BOOK_JS) $(COURSE_FILES)
 book: $(BOOK_INPUTS)
+	$(BIN)/python -m coursekit envcheck
 	$(BIN)/python -m coursekit book --edition reader
 
 book-instructor: $(BOOK_INPUTS)

@@ -183,7 +183,7 @@ def write_edition(edition, root, folder, cache_dir):
         copy = shutil.copytree if (root / name).is_dir() else shutil.copy
         copy(root / name, folder / name)
     config = yaml.safe_load((root / "_config.yml").read_text())
-    timeout = execution_timeout(root)
+    timeout = config["execute"]["timeout"]
     config["execute"]["execute_notebooks"] = "off"  # executed here, in the lessons' own folders
     if edition == "instructor":
         config["title"] += " (instructor's edition)"
@@ -198,30 +198,13 @@ def write_edition(edition, root, folder, cache_dir):
         nbformat.write(shown, target)
 
 
-def execute(notebook, root=KIT_ROOT):
-    """Execute one lesson into the cache the editions are built from, unless its code already
-    ran there: `make book` runs this for each lesson as a job of its own (Makefile: EXECUTED)."""
-    notebook = Path(notebook).resolve()
-    executed(notebook, cache_folder(root), execution_timeout(root))
-    return notebook
-
-
-def cache_folder(root):
-    return Path(root) / "_build" / ".jupyter_cache"
-
-
-def execution_timeout(root):
-    """Seconds a lesson's cell may run, from the book's configuration."""
-    return yaml.safe_load((Path(root) / "_config.yml").read_text())["execute"]["timeout"]
-
-
 def build(edition, root=KIT_ROOT, out=None, cache_dir=None):
     """Build ``edition`` of the book of the kit at ``root`` with warnings as errors, into
     ``out``/_build/html (by default the kit's _build/html for the reader's edition and
     _build/instructor/_build/html for the instructor's); returns that HTML folder."""
     root = Path(root)
     out = Path(out) if out else root if edition == "reader" else root / "_build" / edition
-    cache_dir = Path(cache_dir) if cache_dir else cache_folder(root)
+    cache_dir = Path(cache_dir) if cache_dir else root / "_build" / ".jupyter_cache"
     sources = root / "_build" / f"{edition}-sources" if out == root else out / "sources"
     write_edition(edition, root, sources, cache_dir)
     jupyter_book = Path(sys.executable).parent / "jupyter-book"

@@ -12,7 +12,6 @@
     grades LESSON [--root DIR --plot PNG]      who handed in, scores per exercise, class means
                   [--items]                    each graded cell: mean, zeros, discrimination
     book [--edition reader|instructor]         execute the lessons and build an edition of the book
-    book --execute NOTEBOOK                    execute one lesson into the book's cache only
     diffs build | check                        write / verify diffs/*.patch from solutions/
     diffs start | status --lesson L [--stage S --file F]   a lesson's working copy, hunk by hunk
     diffs apply --lesson L --hunk N [--stage S]            apply one hunk to the working copy
@@ -207,9 +206,6 @@ def build_parser():
     book_cmd.add_argument("--edition", choices=["reader", "instructor"], default="reader",
                           help="reader: exercises as students get them (published); instructor: "
                                "with solutions and hidden tests")
-    book_cmd.add_argument("--execute", metavar="NOTEBOOK",
-                          help="only execute this lesson into the book's cache (`make book` runs "
-                               "one a lesson, side by side), unless its code already ran")
 
     diffs_cmd = commands.add_parser("diffs", help="the diffs between stages; a lesson's working copy")
     diffs_cmd.add_argument("action", choices=["build", "check", "start", "status", "apply"])
@@ -538,13 +534,6 @@ def run_grades(args):
 
 def run_book(args):
     from coursekit import book
-    if args.execute:
-        notebook = Path(args.execute)
-        if notebook.suffix != ".ipynb" or not notebook.is_file():
-            raise KitError(f"--execute {args.execute}: not a lesson's notebook (give "
-                           "notebooks/<lesson>/<lesson>.ipynb)")
-        print(f"executed {book.execute(notebook)} into the book's cache")
-        return
     html = book.build(args.edition)
     print(f"The {args.edition}'s edition of the book is in {html}/index.html")
 

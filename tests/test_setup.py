@@ -1,5 +1,4 @@
 """The two-command set-up: requirements, environment.yml, Makefile targets, CI entry point."""
-import os
 import re
 import shutil
 import subprocess
@@ -92,32 +91,3 @@ def test_the_command_line_builds_in_the_set_ups_first_environment(kit_root):
          "print(*sorted({m.split('.')[0] for m in set(sys.modules) - before}))"],
         capture_output=True, text=True, check=True, cwd=kit_root).stdout.split()
     assert [name for name in imported if name not in sys.stdlib_module_names] == ["coursekit"]
-
-
-def test_make_book_executes_every_lesson_as_a_job_once_what_it_reads_is_made(kit_root):
-    """`make book` runs `coursekit book --execute` for each lesson on disk, the longest (the
-    last) first, each once what it reads is made: lessons 05, 08 and 09 read course files."""
-    alone = {name: value for name, value in os.environ.items()  # not as `make test`'s child
-             if name not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
-
-    def make(*flags):
-        return subprocess.run(["make", "--no-print-directory", *flags, "book"], cwd=kit_root,
-                              capture_output=True, text=True, timeout=60, env=alone).stdout
-
-    executed = re.findall(r"coursekit book --execute notebooks/([\w-]+)/\1\.ipynb$",
-                          make("-n", "-B"), re.M)
-    lessons = sorted(p.name for p in (kit_root / "notebooks").iterdir()
-                     if (p / f"{p.name}.ipynb").exists())
-    assert sorted(executed) == lessons and executed[0] == lessons[-1]
-    rules = {lesson: (set(normal.split()), set(order_only.split())) for lesson, normal, order_only
-             in re.findall(r"^_build/executed/([\w-]+)/\1\.ipynb: ([^|\n]*)\|?(.*)$",
-                           make("-p", "-n"), re.M)}
-    reads = {lesson: rules[lesson][0] - {f"notebooks/{lesson}/{lesson}.ipynb"}
-             for lesson in lessons}
-    # beside the base model's training, lesson 10 alone: the others wait for the course files
-    beside = [lesson for lesson in lessons
-              if "models/kit-embed/modules.json" not in rules[lesson][0] | rules[lesson][1]]
-    assert beside == ["10-debugging"]
-    assert {lesson: files for lesson, files in reads.items() if files} == {
-        "05-llm-finetuning": {"models/kit-tiny/config.json", "data/instruct/meta.json"},
-        "08-vision": {"data/shapes/meta.json"}, "09-ray-rag": {"models/kit-embed/modules.json"}}
