@@ -237,7 +237,7 @@ from coursekit import exercise, memory
 
 def checkpoint_of(**sizes):
     """The state_dict shapes of a GPT of ``sizes``, and its parameter count."""
-    with torch.device("meta"):  # shapes only
+    with torch.device("meta"):  # no memory, no values: the shapes alone
         made = gpt.GPT(gpt.GPTConfig(**sizes))
     return ({name: tuple(t.shape) for name, t in made.state_dict().items()},
             sum(p.numel() for p in made.parameters()))
