@@ -399,7 +399,7 @@ def pipelined_last_logits(model, device):
         if rank > 0:  # the previous stage's residual stream for these tokens
             x = torch.empty(*context.shape, model.config.n_embd, device=device)
             dist.recv(x, src=rank - 1)
-        x = model(x, last_position_only=True)  # the residual stream whole, up to the head
+        x = model(x, last_position_only=True)  # the last stage: its head at the last position
         if rank < last:
             dist.send(x, dst=rank + 1)
         # fp32 on every rank: under bf16 autocast the head's logits are bf16, and a broadcast

@@ -44,7 +44,7 @@ def embed_with_ray_data(chunks, args, replica=Embedder):
     gpus = args.device in ("auto", "cuda") and ray.cluster_resources().get("GPU", 0) > 0
     items = ray.data.from_items([{"index": i, "text": c.text} for i, c in enumerate(chunks)])
     embedded = items.map_batches(replica, fn_constructor_args=(args.embedder,
-                                                                "cuda" if gpus else "cpu"),
+                                                               "cuda" if gpus else "cpu"),
                                  batch_size=args.batch_size, num_gpus=1 if gpus else 0,
                                  compute=ray.data.ActorPoolStrategy(size=args.workers))
     vectors = None
