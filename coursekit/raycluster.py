@@ -85,17 +85,21 @@ def start_command(temp_dir, head, port=None, address=None, cpus=None, gpus=None,
 def run_node(head, port=None, address=None, cpus=None, gpus=None):
     """Run one Ray node until it is told to stop (SIGTERM, as `scancel --signal=TERM` sends the
     job's steps); its private directory goes with it. Returns 0 once stopped, else ray start's
-    exit status. A head's dashboard and client ports are the kit's choice: should another user of
-    the node bind one of them first, the head fails to start, and starts again on others."""
+    exit status. A node that fails to start starts again, up to PORT_ATTEMPTS times in all: a
+    head's dashboard and client ports are the kit's choice, and another user of the node may bind
+    one of them first (the head then starts again on others); and on a busy node a raylet can
+    take longer than the 30 s Ray gives it to register ("The current node timed out during
+    startup")."""
     check_token()
-    for _ in range(launch.PORT_ATTEMPTS if head else 1):
+    for attempt in range(1, launch.PORT_ATTEMPTS + 1):
         chosen = [launch.free_port(), launch.free_port()] if head else []
         status, stopped = run_ray_start(head, port, address, cpus, gpus, *chosen)
-        taken = [chosen_port for chosen_port in chosen if launch.bind_error(chosen_port)]
-        if stopped or not taken:
+        if stopped or status == 0 or attempt == launch.PORT_ATTEMPTS:
             break
-        print(f"port {taken[0]} was taken before the head could bind it", file=sys.stderr,
-              flush=True)
+        taken = [chosen_port for chosen_port in chosen if launch.bind_error(chosen_port)]
+        reason = (f"port {taken[0]} was taken before the head could bind it" if taken
+                  else f"ray start failed (exit status {status})")
+        print(f"{reason}: starting the node again", file=sys.stderr, flush=True)
     return 0 if stopped else status  # ray start exits 1 when it is stopped, as asked
 
 
