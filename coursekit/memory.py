@@ -41,6 +41,7 @@ per_rank_bytes.
 import contextlib
 import functools
 import itertools
+import os
 from pathlib import Path
 from dataclasses import dataclass
 
@@ -300,6 +301,7 @@ def allocated_peak():
     from torch.profiler import ProfilerActivity, profile
 
     result = {}
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")  # no start and stop notes on stderr
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as profiler:
         yield result
     events = sorted((event.start_ns(), event.nbytes())  # the raw events: one per allocation

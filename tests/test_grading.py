@@ -18,23 +18,27 @@ from coursekit import KIT_ROOT, KitError, diffs, grading, trainee
 pytestmark = pytest.mark.grading
 LESSONS = grading.lessons(KIT_ROOT)
 
+#: What a test tells the trainee whose answer calls the kit for what the exercise asks
+#: (coursekit/exercise.py: own_work)
+OWN_CODE = "asks for your own code"
 #: Answers that call the kit (or Optuna) for what the exercise asks, write in what it must find,
 #: or take the tempting wrong turn (a training step that never empties the gradients, the lowest
-#: loss of a whole run where early stopping cannot see it): {lesson: {solution cell: its
-#: source}}. Each is graded in place of that exercise's solution and must score 0 on its tests.
+#: loss of a whole run where early stopping cannot see it): {lesson: {solution cell: (part of the
+#: message its tests fail with, its source)}}. Each is graded in place of that exercise's
+#: solution, must score 0 on its tests, and must be told why.
 SHORTCUTS = {
     "00-gpus-and-hpc": {
-        "most_gpus": """
+        "most_gpus": (OWN_CODE, """
             from coursekit import scaling
 
             def most_gpus(t1, tp, p, min_efficiency):
                 serial = scaling.karp_flatt(t1, tp, p)
                 if serial <= 0:
                     return None
-                return max(1, int((1 / min_efficiency - 1 + serial) / serial))""",
+                return max(1, int((1 / min_efficiency - 1 + serial) / serial))"""),
     },
     "00b-deep-learning": {
-        "train_step": """
+        "train_step": ("gradients of the step before", """
             def train_step(model, optimizer, loss_fn, microbatches):
                 total = 0.0
                 for inputs, targets in microbatches:
@@ -42,64 +46,69 @@ SHORTCUTS = {
                     loss.backward()
                     total += loss.item()
                 optimizer.step()
-                return total""",
-        "early_stopping": """
+                return total"""),
+        "early_stopping": ("is never seen", """
             def early_stopping(val_losses, patience):
-                return min(range(len(val_losses)), key=val_losses.__getitem__)""",
+                return min(range(len(val_losses)), key=val_losses.__getitem__)"""),
     },
     "01-single-gpu-gpt": {
-        "tokens_per_step": """
+        "tokens_per_step": (OWN_CODE, """
             from coursekit import scaling
 
             def tokens_per_step(micro_batch, grad_accum, seq_len):
-                return scaling.tokens_per_step(micro_batch, grad_accum, seq_len)""",
-        "steps_per_epoch": """
+                return scaling.tokens_per_step(micro_batch, grad_accum, seq_len)"""),
+        "steps_per_epoch": (OWN_CODE, """
             from coursekit import scaling
 
             def steps_per_epoch(dataset_tokens, micro_batch, grad_accum, seq_len):
-                return scaling.steps_per_epoch(dataset_tokens, micro_batch, grad_accum, seq_len)""",
-        "describe_checkpoint": """
+                return scaling.steps_per_epoch(dataset_tokens, micro_batch, grad_accum, seq_len)"""),
+        "describe_checkpoint": ("count it once", """
             def describe_checkpoint(shapes):  # every tensor counted, the tied head twice
                 vocab_size, n_embd = shapes["transformer.wte.weight"]
                 n_layer = len({n.split(".")[2] for n in shapes if n.startswith("transformer.h.")})
                 return (n_layer, n_embd, vocab_size, shapes["transformer.wpe.weight"][0],
-                        sum(math.prod(shape) for shape in shapes.values()))""",
-        "flops": """
-            def flops_per_token(n_layer, n_embd, seq_len, vocab_size):
-                return perf.flops_per_token(n_layer, n_embd, seq_len, vocab_size)""",
+                        sum(math.prod(shape) for shape in shapes.values()))"""),
+        "plan_batch": ("paid once", """
+            def plan_batch(peak_at_1, peak_at_2, budget, global_tokens, seq_len):
+                samples = global_tokens // seq_len  # as if the whole peak came with each sample
+                fitting = min(samples, budget // peak_at_1)
+                if fitting < 1:
+                    return None
+                micro_batch = max(b for b in range(1, fitting + 1) if samples % b == 0)
+                return micro_batch, samples // micro_batch"""),
     },
     "04-model-parallelism": {
-        "zero_bytes": """
+        "zero_bytes": (OWN_CODE, """
             from types import SimpleNamespace
 
             def bytes_per_rank(n_params, strategy, world_size):
                 level = ["ddp", "zero1", "zero2", "fsdp"].index(strategy)
                 return memory.data_parallel_bytes(SimpleNamespace(parameters=n_params), level,
-                                                  world_size, "fp32")""",
-        "best_microbatches": """
+                                                  world_size, "fp32")"""),
+        "best_microbatches": ("no bubble to fill", """
             def best_microbatches(stages, batch, overhead, per_sample):  # the bubble alone
-                return batch""",
+                return batch"""),
     },
     "06-mlops": {
-        "sha256_manifest": """
+        "sha256_manifest": (OWN_CODE, """
             def sha256_manifest(directory):
-                return runs.data_manifest(directory)["files"]""",
+                return runs.data_manifest(directory)["files"]"""),
     },
     "07-hpo": {
-        "hyperband_brackets": """
+        "hyperband_brackets": (OWN_CODE, """
             def hyperband_brackets(min_resource, max_resource, eta):
                 pruner = optuna.pruners.HyperbandPruner(min_resource, max_resource, eta)
                 pruner._try_initialization(optuna.create_study(pruner=pruner))
                 budgets = [max_resource / eta**s for s in range(pruner._n_brackets - 1, -1, -1)]
-                return list(zip(pruner._trial_allocation_budgets, budgets))""",
+                return list(zip(pruner._trial_allocation_budgets, budgets))"""),
     },
     "08-vision": {  # the slowest stage of all, and every core a worker
-        "plan_loader": """
+        "plan_loader": ("fewest workers", """
             def plan_loader(timings, loader_stages, cores):
-                return max(timings, key=timings.get), cores - 1""",
+                return max(timings, key=timings.get), cores - 1"""),
     },
     "09-ray-rag": {  # the model loaded for every batch, not once an actor
-        "embedder": """
+        "embedder": ("once an actor is enough", """
             class Embedder:
                 def __init__(self, name_or_path, device):
                     self.name_or_path, self.device = name_or_path, device
@@ -107,17 +116,17 @@ SHORTCUTS = {
                 def __call__(self, batch):
                     model = rag.embedder(self.name_or_path, device=self.device)
                     return {"index": batch["index"],
-                            "vector": rag.embed(model, list(batch["text"]))}""",
-        "token_f1": """
+                            "vector": rag.embed(model, list(batch["text"]))}"""),
+        "token_f1": (OWN_CODE, """
             from coursekit.rag import token_f1 as kit_token_f1
 
             def token_f1(prediction, reference):
-                return kit_token_f1(prediction, reference)""",
+                return kit_token_f1(prediction, reference)"""),
     },
     "10-debugging": {  # a port written into the code, which another job may hold
-        "fixed_launch": """
+        "fixed_launch": ("another job on the node may hold it", """
             def fixed_launch(out):
-                return [node_command(rank, 29500, out) for rank in (0, 1)]""",
+                return [node_command(rank, 29500, out) for rank in (0, 1)]"""),
     },
 }
 
@@ -313,8 +322,16 @@ def without(source, release, shortcuts, exercise_ids):
     one for the exercise, else its cells as released."""
     notebook = with_cells_from(source, release, set(exercise_ids) - set(shortcuts))
     for exercise in set(exercise_ids) & set(shortcuts):
-        notebook = with_shortcut(notebook, exercise, shortcuts[exercise])
+        _, shortcut = shortcuts[exercise]
+        notebook = with_shortcut(notebook, exercise, shortcut)
     return notebook
+
+
+def errors(notebook, grade_ids):
+    """The errors that the cells ``grade_ids`` of an autograded notebook ended with."""
+    return "\n".join(f"{output.ename}: {output.evalue}" for cell in nbgrader_cells(notebook)
+                     if cell.metadata.nbgrader.grade_id in grade_ids
+                     for output in cell.get("outputs", []) if output.output_type == "error")
 
 
 @pytest.mark.parametrize("lesson", LESSONS)
@@ -350,7 +367,8 @@ def test_untouched_student_version_scores_zero(graded):
 
 
 @pytest.mark.parametrize("lesson", LESSONS)
-def test_solved_exercises_score_full_marks_and_unsolved_or_shortcut_ones_none(graded, lesson):
+def test_solved_exercises_score_full_marks_and_unsolved_or_shortcut_ones_none_and_say_why(
+        course, graded, lesson):
     exercise_cells, scores = graded(lesson)
     assert len(exercise_cells) >= 3
     assert set(SHORTCUTS.get(lesson, {})) <= set(exercise_cells)
@@ -363,6 +381,12 @@ def test_solved_exercises_score_full_marks_and_unsolved_or_shortcut_ones_none(gr
         got = scores[half]
         expected = {cell: (0 if cell in their_tests else maximum) for cell, (_, maximum) in got.items()}
         assert {cell: score for cell, (score, _) in got.items()} == expected, half
+        autograded = nbformat.read(course / "autograded" / half / lesson / f"{lesson}.ipynb",
+                                   as_version=4)
+        for exercise in set(unsolved) & set(SHORTCUTS.get(lesson, {})):
+            refusal, _ = SHORTCUTS[lesson][exercise]
+            told = errors(autograded, exercise_cells[exercise])
+            assert refusal in told, f"{lesson} {exercise}: the trainee is told {told!r}"
 
 
 def test_grades_and_trainees_work_are_readable_by_the_instructor_alone(course, graded):

@@ -402,9 +402,11 @@ for minibatches, make_optimizer in (
         expected = nn.MSELoss()(reference(x_whole), y_whole)
         expected.backward()
         reference_optimizer.step()
-        assert abs(loss - expected.item()) < 1e-5
+        assert abs(loss - expected.item()) < 1e-5, "the minibatch's mean loss"
         assert all(torch.allclose(p, q, atol=1e-5)
-                   for p, q in zip(yours.parameters(), reference.parameters()))
+                   for p, q in zip(yours.parameters(), reference.parameters())), (
+            "the update is not that of this minibatch's gradient alone: are the "
+            "gradients of the step before still there?")
 ### END HIDDEN TESTS
 
 # %% [markdown]
@@ -527,7 +529,8 @@ assert min(val[kept + 1:kept + 21]) >= val[kept] and min(val[:kept]) > val[kept]
 assert early_stopping([3.0, 2.0, 1.0], patience=5) == 2
 ### BEGIN HIDDEN TESTS
 assert early_stopping([1.0], patience=3) == 0
-assert early_stopping([5.0, 4.0, 4.5, 4.6, 4.7, 3.0], patience=3) == 1  # stops before 3
+assert early_stopping([5.0, 4.0, 4.5, 4.6, 4.7, 3.0], patience=3) == 1, (
+    "three epochs without a new low stop the run: the 3.0 after them is never seen")
 assert early_stopping([5.0, 4.0, 4.5, 4.6, 3.0, 3.5], patience=3) == 4  # 3.0 in time
 assert early_stopping([2.0, 2.0, 2.0, 1.0], patience=2) == 0  # equal is no improvement
 assert early_stopping([3.0, 1.0, 1.0, 2.0], patience=10) == 1  # the first of equal lows

@@ -19,6 +19,7 @@
 # **Questions.** This lesson answers
 # - What is a GPT made of, and where do its parameters sit?
 # - What happens in one training step, and how many tokens does it see?
+# - How many samples go through the device at once, and how many passes make a step?
 # - How well does a run use the device it is given?
 #
 # **Objectives.** After this lesson you can
@@ -27,11 +28,12 @@
 # - find every part of GPT-2 in `solutions/gpt.py` and count its parameters;
 # - train it, inside the notebook and as a script, and read the run's `metrics.jsonl`;
 # - generate text from a checkpoint;
+# - choose the microbatch and `grad_accum` for a device from two measured peaks;
 # - compute the model FLOPs utilisation (MFU) of a run and say what limits it.
 #
 # **Prerequisites.** Lessons 00 and 00b (PyTorch tensors, `nn.Module` and a training loop).
 #
-# **Time.** About 50 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
+# **Time.** About 60 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
 # The time is an estimate; the instructor guide says how it is made.
 
 # %%
@@ -46,7 +48,7 @@ import matplotlib.pyplot as plt
 import torch
 from IPython.display import display
 
-from coursekit import KIT_ROOT, data, perf, presets, runs, widgets
+from coursekit import KIT_ROOT, data, memory, perf, presets, runs, widgets
 
 # %% [markdown]
 # The set-up: the offline corpus the lesson trains on (built once, in seconds), and the run
@@ -249,7 +251,8 @@ odd, odd_count = checkpoint_of(vocab_size=1000, block_size=48, n_layer=3, n_head
                                n_embd=40)
 with exercise.own_work(memory.Model.parameters.fget, memory.Model.block_parameters.fget,
                        memory.Model.embedding_parameters.fget):
-    assert describe_checkpoint(small) == (12, 768, 50257, 1024, 124_439_808)
+    assert describe_checkpoint(small) == (12, 768, 50257, 1024, 124_439_808), (
+        "the head and the token embedding are one matrix (weight tying): count it once")
     assert describe_checkpoint(odd) == (3, 40, 1000, 48, odd_count)
     backwards = dict(reversed(odd.items()))  # any order of names
     assert describe_checkpoint(backwards) == (3, 40, 1000, 48, odd_count)
@@ -408,6 +411,86 @@ for temperature in (0.5, 1.0):
           f"{encoding.decode([t for t in tokens if t < data.EOT_TOKEN])!r}")
 
 # %% [markdown]
+# ## How big a microbatch?
+#
+# The recipe sets the global batch (GPT-2: 524,288 tokens a step); the device sets the
+# microbatch, the most samples whose memory fits. A training process's peak memory is a part
+# paid once (weights, gradients, optimiser state) plus $B$ times one sample's activations, so two
+# measurements tell both: the peak at $B = 1$ and at $B = 2$. The cell below measures them for
+# this lesson's model: its parameters, gradients and AdamW's state, plus the most tensor bytes a
+# forward and backward allocated at once (on a GPU, what `torch.cuda.max_memory_allocated`
+# counts).
+
+# %% tags=["demo"]
+def peak_bytes(micro_batch):
+    """The model's state plus the activations of one forward and backward of
+    `micro_batch` samples, at their peak."""
+    held = memory.measured(model, optimizer, torch.device("cpu"))
+    x = torch.randint(0, data.EOT_TOKEN, (micro_batch, tiny.seq_len))
+    with memory.allocated_peak() as activations:
+        gpt.cross_entropy(model(x), x).backward()
+    optimizer.zero_grad(set_to_none=False)  # no step: the weights stay as trained
+    return held["params"] + held["grads"] + held["optimizer"] + activations["peak"]
+
+
+measured_peaks = {b: peak_bytes(b) for b in (1, 2)}
+for b, peak in measured_peaks.items():
+    print(f"B = {b}: peak {peak / 2**20:.1f} MiB")
+
+# %% [markdown]
+# **Exercise 4: the microbatch and grad_accum for a device.** Write
+# `plan_batch(peak_at_1, peak_at_2, budget, global_tokens, seq_len)`: `(micro_batch,
+# grad_accum)` for a device that gives training `budget` bytes, where `peak_at_1` and
+# `peak_at_2` are the peaks measured at one and two samples. Take the largest microbatch that
+# fits, such that whole microbatches make up the global batch of `global_tokens` tokens
+# (`seq_len` each); `None` if not even one sample fits.
+
+# %% nbgrader={"grade": false, "grade_id": "plan_batch", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def plan_batch(peak_at_1, peak_at_2, budget, global_tokens, seq_len):
+    ### BEGIN SOLUTION
+    per_sample = peak_at_2 - peak_at_1
+    once = peak_at_1 - per_sample
+    if peak_at_1 > budget:
+        return None
+    samples = global_tokens // seq_len
+    fitting = min(samples, (budget - once) // per_sample)
+    micro_batch = max(b for b in range(1, fitting + 1) if samples % b == 0)
+    return micro_batch, samples // micro_batch
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "plan_batch_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+assert plan_batch(2, 4, 13, 64 * 1024, 1024) == (4, 16)
+### BEGIN HIDDEN TESTS
+assert plan_batch(100, 150, 400, 48 * 512, 512)[0] in (6, 7), (
+    "weights, gradients and optimiser state are paid once, not once a sample")
+assert plan_batch(100, 150, 400, 48 * 512, 512) == (6, 8), (
+    "whole microbatches make up the global batch: grad_accum is a whole number")
+assert plan_batch(10, 12, 9, 64 * 1024, 1024) is None  # not one sample fits
+assert plan_batch(10, 12, 10, 64 * 1024, 1024) == (1, 64)  # exactly one
+assert plan_batch(10, 11, 1000, 8 * 1024, 1024) == (8, 1)  # the whole batch at once
+assert plan_batch(5, 8, 27, 36 * 256, 256) == (6, 6)  # 8 fit; 36 = 6 x 6
+### END HIDDEN TESTS
+
+# %% [markdown]
+# Your plan for this lesson's model (8 samples a step), were 256 or 512 MiB all a device gave it,
+# and for GPT-2 124M in bf16 at its 524,288 tokens a step on 40 and 80 GB GPUs (peaks from
+# `coursekit.memory`, the arithmetic of lesson 04, with a tenth of the GPU left to the CUDA
+# context and the allocator):
+
+# %% tags=["demo"]
+for mib in (256, 512):
+    plan = plan_batch(*measured_peaks.values(), mib * 2**20, tiny.batch_tokens,
+                      tiny.seq_len)
+    print(f"this model with {mib} MiB: (micro_batch, grad_accum) = {plan}")
+gpt2 = memory.Model.from_preset(presets.get_preset("gpt2-124m"))
+gpt2_peaks = [int(memory.per_rank_bytes(gpt2, "ddp", 1, "bf16-mixed", b, 1024)["total"])
+              for b in (1, 2)]
+for gb in (40, 80):
+    plan = plan_batch(*gpt2_peaks, int(0.9 * gb * 1e9), 524_288, 1024)
+    print(f"GPT-2 124M on {gb} GB: (micro_batch, grad_accum) = {plan}")
+
+# %% [markdown]
 # After a few dozen steps on a laptop the model has learned common words and punctuation, not
 # meaning. The kit's `gpt2-124m` preset trains GPT-2 124M for 19,073 steps of 524,288 tokens
 # (10B tokens of FineWeb-Edu), the recipe of Karpathy's build-nanogpt. How long that takes on
@@ -427,33 +510,13 @@ for temperature in (0.5, 1.0):
 # per weight and token; attention adds its $T \times T$ products, $12LTd$ in all. MFU is the fraction of the device's peak those FLOPs
 # use: $\text{MFU} = \text{tokens/s} \times \text{FLOPs per token} / \text{peak FLOP/s}$.
 #
-# **Exercise 4.** Write `flops_per_token(n_layer, n_embd, seq_len, vocab_size)` with
-# $N = 12 L d^2 + V d$ (the block matrices and the language-model head).
-
-# %% nbgrader={"grade": false, "grade_id": "flops", "locked": false, "schema_version": 3, "solution": true, "task": false}
-def flops_per_token(n_layer, n_embd, seq_len, vocab_size):
-    ### BEGIN SOLUTION
-    n_matmul = 12 * n_layer * n_embd**2 + vocab_size * n_embd
-    return 6 * n_matmul + 12 * n_layer * seq_len * n_embd
-    ### END SOLUTION
-
-
-# %% nbgrader={"grade": true, "grade_id": "flops_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
-assert flops_per_token(12, 768, 1024, 50304) == 854_654_976
-### BEGIN HIDDEN TESTS
-from coursekit import exercise
-
-expected = perf.flops_per_token(4, 64, 128, 50304)
-with exercise.own_work(perf.flops_per_token, perf.matmul_params):
-    assert flops_per_token(4, 64, 128, 50304) == expected
-    assert flops_per_token(1, 1, 1, 1) == 6 * 13 + 12
-### END HIDDEN TESTS
+# `perf.flops_per_token` is that count; the cell below uses it.
 
 # %% tags=["demo"]
 config_json = runs.read_json(run_dir / "config.json")
 median_tokens_per_s = sorted(r["tok_per_s"] for r in metrics)[len(metrics) // 2]
-fpt = flops_per_token(config.n_layer, config.n_embd, config.block_size,
-                      config.vocab_size)
+fpt = perf.flops_per_token(config.n_layer, config.n_embd, config.block_size,
+                           config.vocab_size)
 print(f"{fpt / 1e6:.1f} MFLOP per token x {median_tokens_per_s:,.0f} tokens/s = "
       f"{fpt * median_tokens_per_s / 1e9:.1f} GFLOP/s of "
       f"{config_json['peak_flops'] / 1e9:.0f} "
@@ -492,6 +555,9 @@ print(f"{fpt / 1e6:.1f} MFLOP per token x {median_tokens_per_s:,.0f} tokens/s = 
 #   head tied to the token embedding: 124M parameters at 12 × 768.
 # - Real training runs as a script; notebooks launch it and read its `metrics.jsonl` and
 #   checkpoints.
+# - Peak memory is a part paid once (weights, gradients, optimiser state) plus the
+#   activations of each sample: the microbatch is the most samples that fit, and
+#   `grad_accum` microbatches make up the global batch.
 # - A language model generates by sampling one token at a time from its softmax, shaped by
 #   temperature and top-k.
 # - MFU = tokens/s × (6N + 12LTd) / peak FLOP/s; it measures how well the run uses the hardware.

@@ -592,7 +592,8 @@ def best_microbatches(stages, batch, overhead, per_sample):
 # %% nbgrader={"grade": true, "grade_id": "best_microbatches_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 assert best_microbatches(4, 32, 0.0, 1.0) == 32  # no fixed cost: the smallest bubble
 ### BEGIN HIDDEN TESTS
-assert best_microbatches(1, 32, 0.5, 1.0) == 1  # one stage: no bubble to fill
+assert best_microbatches(1, 32, 0.5, 1.0) == 1, (
+    "one stage has no bubble to fill: every microbatch more only adds its fixed cost")
 assert best_microbatches(4, 32, 1.0, 0.1) == 4  # 12.6 s; 2: 13.0 s, 8: 15.4 s
 assert best_microbatches(2, 12, 0.2, 0.3) == 4  # 3 and 6 come within 0.1 s
 assert best_microbatches(4, 24, 0.5, 0.25) == 6  # a divisor, not the formula's 5.5

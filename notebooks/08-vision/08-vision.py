@@ -381,7 +381,9 @@ def plan_loader(timings, loader_stages, cores):
 
 # %% nbgrader={"grade": true, "grade_id": "plan_loader_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
 assert plan_loader({"decode": 20, "collate": 4, "compute": 10}, ["decode", "collate"],
-                   cores=8) == ("decode", 3)
+                   cores=8) == ("decode", 3), (
+    "the loader's slowest stage, and the fewest workers whose images keep up with the "
+    "training process")
 ### BEGIN HIDDEN TESTS
 node = {"read": 2, "decode": 30, "augment": 12, "collate": 1, "copy": 1, "compute": 10}
 cpu_stages = ["read", "decode", "augment", "collate"]

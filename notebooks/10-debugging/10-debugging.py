@@ -196,7 +196,8 @@ with socket.socket() as taken:
     taken.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     taken.bind(("", int(next(iter(ports)).split("=")[1])))
     taken.listen()
-    assert master_ports(fixed_launch(RUNS / "rendezvous-fixed")).isdisjoint(ports)
+    assert master_ports(fixed_launch(RUNS / "rendezvous-fixed")).isdisjoint(ports), (
+        "a port written into the code: another job on the node may hold it")
 ### END HIDDEN TESTS
 
 # %% [markdown]
