@@ -5,6 +5,8 @@ Three parts, per section (a `## ` heading) of each lesson:
 - reading: the prose's words at READING_WPM, and the code of the cells at CODE_LINES_PER_MIN;
 - exercises: EXERCISE_BASE_MIN per graded exercise, plus the lines the trainee writes (the
   solution's lines, or for a stage conversion the patch's added lines) at WRITING_LINES_PER_MIN;
+  the same for a conversion done as practice, ungraded (its Markdown cell tagged
+  PRACTICE_TAG);
 - waiting: the cells' run time, measured by executing the lesson here (a laptop-class CPU, the
   tiny preset), in the lesson's folder as the book does.
 
@@ -28,6 +30,8 @@ RESULTS = KIT_ROOT / "benchmarks" / "results" / "lesson_time.json"
 READING_WPM = 110  # technical prose with formulas, read to understand
 CODE_LINES_PER_MIN = 15  # code read in a cell before running it
 EXERCISE_BASE_MIN = 4  # reading the task and the visible tests, running them, one fix
+#: The tag of the Markdown cell that sets a stage conversion as practice, with no graded cell
+PRACTICE_TAG = "practice"
 WRITING_LINES_PER_MIN = 2  # lines of a solution, thought out and typed
 
 
@@ -54,11 +58,16 @@ def run_seconds(lesson):
     return client.seconds
 
 
+def conversion_lines(lesson):
+    """Lines a trainee writes to convert the lesson's stage scripts: its patches' added lines."""
+    return sum(diffs.counts(diffs.patch_path(step).read_text())[0]
+               for step in diffs.lesson_steps(lesson))
+
+
 def solution_lines(cell, lesson):
     """Lines a trainee writes for the exercise whose solution cell this is."""
     if cell.metadata["nbgrader"]["grade_id"] == grading.GRADED_WORKING_COPIES.get(lesson):
-        return sum(diffs.counts(diffs.patch_path(step).read_text())[0]
-                   for step in diffs.lesson_steps(lesson))
+        return conversion_lines(lesson)
     inside = re.search(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", cell.source, re.DOTALL)
     return len([line for line in inside.group(1).splitlines() if line.strip()]) if inside else 0
 
@@ -75,6 +84,8 @@ def sections(lesson, seconds):
                 if line.startswith("## "):
                     found.append([line[3:].strip(), 0.0, 0.0, 0.0])
             found[-1][1] += len(cell.source.split()) / READING_WPM
+            if PRACTICE_TAG in cell.metadata.get("tags", []):  # an ungraded conversion
+                found[-1][2] += EXERCISE_BASE_MIN + conversion_lines(lesson) / WRITING_LINES_PER_MIN
             continue
         nbgrader = cell.metadata.get("nbgrader", {})
         if nbgrader.get("solution"):

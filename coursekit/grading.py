@@ -40,7 +40,7 @@ INSTRUCTOR_TAG = "instructor"
 GRADING_KERNEL = "coursekit-grading"
 #: Lessons that grade the working copies (coursekit.diffs) handed in with the notebook: {lesson:
 #: that exercise's id}. A release has no working copy: each trainee starts their own.
-GRADED_WORKING_COPIES = {"02-ddp": "conversion", "04-model-parallelism": "conversions"}
+GRADED_WORKING_COPIES = {"04-model-parallelism": "conversions"}
 
 
 def lessons(root):

@@ -10,8 +10,9 @@ the book's sources (the reader's book is published) and the instructor's nbgrade
 stay out. Its nbgrader_config.py is the trainees' own: the class's exchange, from course.toml.
 
 Before it writes anything it checks every file it would ship for the lines of the answers: the
-lines inside a solution or hidden-test block that appear nowhere else in the lesson nor in the
-kit's own code (which trainees have anyway, and which repeats a few, such as `try:`).
+lines inside a solution or hidden-test block that appear nowhere outside such blocks, in any
+lesson (an answer's `loss.backward()` is shown in the open elsewhere), nor in the kit's own code
+(which trainees have anyway, and which repeats a few, such as `try:`).
 """
 import shutil
 import subprocess
@@ -52,11 +53,13 @@ def marked_and_unmarked_lines(notebook):
 
 def answer_lines(root, kit_code_lines):
     """{line: lesson} of every answer line of every lesson (the module docstring says which)."""
+    lines = {lesson: marked_and_unmarked_lines(Path(root) / "notebooks" / lesson /
+                                               f"{lesson}.ipynb")
+             for lesson in grading.lessons(root)}
+    shown = set().union(*(unmarked for _, unmarked in lines.values()))
     answers = {}
-    for lesson in grading.lessons(root):
-        marked, unmarked = marked_and_unmarked_lines(Path(root) / "notebooks" / lesson /
-                                                     f"{lesson}.ipynb")
-        answers.update(dict.fromkeys(marked - unmarked - kit_code_lines, lesson))
+    for lesson, (marked, _) in lines.items():
+        answers.update(dict.fromkeys(marked - shown - kit_code_lines, lesson))
     return answers
 
 

@@ -77,6 +77,19 @@ SHORTCUTS = {
                 micro_batch = max(b for b in range(1, fitting + 1) if samples % b == 0)
                 return micro_batch, samples // micro_batch"""),
     },
+    "02-ddp": {  # an all-reduce after every microbatch: trains right, and sends twice as much
+        "ddp_step": ("no_sync() skips all but the last", """
+            def ddp_step(ddp_model, optimizer, microbatches, loss_fn):
+                optimizer.zero_grad(set_to_none=True)
+                loss_sum = torch.zeros(())
+                for inputs, targets in microbatches:
+                    loss = loss_fn(ddp_model(inputs), targets) / len(microbatches)
+                    loss.backward()
+                    loss_sum += loss.detach()
+                optimizer.step()
+                dist.all_reduce(loss_sum)
+                return loss_sum.item() / dist.get_world_size()"""),
+    },
     "04-model-parallelism": {
         "zero_bytes": (OWN_CODE, """
             from types import SimpleNamespace

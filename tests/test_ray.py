@@ -48,7 +48,7 @@ def stop(process):
         process.wait(timeout=60)
 
 
-def wait_for_line(log, pattern, process, timeout=180):
+def wait_for_line(log, pattern, process, timeout=420):
     """The first match of ``pattern`` in the file ``log``, where ``process`` writes."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and process.poll() is None:

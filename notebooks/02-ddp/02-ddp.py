@@ -36,13 +36,13 @@
 # **Prerequisites.** Lessons 00 and 01: the stage script `train_gpt2_std.py`, tokens per step,
 # speedup and efficiency.
 #
-# **Time.** About 80 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
+# **Time.** About 95 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
 # The time is an estimate; the instructor guide says how it is made.
 
 # %%
+import inspect
 import os
 import shutil
-import inspect
 import statistics
 import subprocess
 import sys
@@ -369,35 +369,69 @@ if imports.state == "not yet applied":
     diffs.apply_hunk(LESSON, imports.hunk.number, WORKING_COPY)
 print(diffs.report(LESSON, diffs.status(LESSON, WORKING_COPY)).splitlines()[-1])
 
+# %% [markdown] tags=["practice"]
+# **The conversion, your practice.** Make every hunk in `train_gpt2.py`, in the editor, until the
+# report above has nothing left; the runs below use the finished script either way. The
+# conversion is not graded, since applying hunks takes no understanding of them; the exercise
+# after it is, and it is the step at the heart of the script.
+
 # %% [markdown]
-# **Exercise 3: the conversion.** Make every hunk in `train_gpt2.py`, in the editor. Your answer
-# is that file, handed in with this notebook: delete the `raise NotImplementedError()` of the
-# next cell, which has nothing for you to write, and run the test after it. The test checks that
-# every hunk is applied; when grading, it also trains your script for 10 steps and compares its
-# losses with those of `solutions/train_gpt2_ddp.py`.
+# **Exercise 3: one DDP step.** Write `ddp_step(ddp_model, optimizer, microbatches, loss_fn)`:
+# one optimiser step of a model wrapped in DDP, on this rank's `microbatches` (a list of
+# `(inputs, targets)` pairs). The gradients are those of the mean loss over every microbatch of
+# every rank; DDP averages them over the ranks, but only one all-reduce per step is needed, after
+# the last microbatch (hunk 7 and "All-reduce in practice" above). Return the step's mean loss
+# over every rank's microbatches, the same float on every rank. Your function may use `torch`,
+# `dist` (`torch.distributed`) and `nullcontext`. The test runs it on 2 processes
+# (`coursekit/ddp_step_check.py`): each rank takes 3 steps on 2 microbatches of its
+# own, and the result must be the model of one process that takes each step on all the ranks'
+# microbatches at once.
 
-# %% nbgrader={"grade": false, "grade_id": "conversion", "locked": false, "schema_version": 3, "solution": true, "task": false}
-# Your work for this exercise is in train_gpt2.py.
-### BEGIN SOLUTION
-# what the work in the editor amounts to
-for found in diffs.status(LESSON, WORKING_COPY):
-    if found.state == "not yet applied":
-        diffs.apply_hunk(LESSON, found.hunk.number, WORKING_COPY)
-### END SOLUTION
+# %% nbgrader={"grade": false, "grade_id": "ddp_step", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def ddp_step(ddp_model, optimizer, microbatches, loss_fn):
+    ### BEGIN SOLUTION
+    optimizer.zero_grad(set_to_none=True)
+    loss_sum = torch.zeros(())
+    for i, (inputs, targets) in enumerate(microbatches):
+        last = i == len(microbatches) - 1
+        with nullcontext() if last else ddp_model.no_sync():
+            loss = loss_fn(ddp_model(inputs), targets) / len(microbatches)
+            loss.backward()
+        loss_sum += loss.detach()
+    optimizer.step()
+    dist.all_reduce(loss_sum)  # the sum of the ranks' means...
+    return loss_sum.item() / dist.get_world_size()  # ...and their mean
+    ### END SOLUTION
 
-# %% nbgrader={"grade": true, "grade_id": "conversion_tests", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
-statuses = diffs.status(LESSON, WORKING_COPY)
-print(diffs.report(LESSON, statuses))
-assert all(found.state == "applied" for found in statuses), \
-    "the report above lists what is left"
+
+# %% nbgrader={"grade": true, "grade_id": "ddp_step_tests", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+import json  # noqa: E402
+
+
+def check_ddp_step(function):
+    """coursekit.ddp_step_check's result for `function`, on 2 processes."""
+    answer = Path("runs") / "ddp_step.py"
+    answer.parent.mkdir(exist_ok=True)
+    answer.write_text(inspect.getsource(function))
+    done = subprocess.run([*torchrun(2), "-m", "coursekit.ddp_step_check", str(answer)],
+                          capture_output=True, text=True, timeout=300)
+    if not done.stdout.strip():
+        return {"error": done.stderr[-2000:]}
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+result = check_ddp_step(ddp_step)
+print(result)
+assert result["error"] is None, result["error"]
+assert result["largest_difference"] < 1e-6, \
+    "the model differs from that of one process on every rank's microbatches"
 ### BEGIN HIDDEN TESTS
-from coursekit import exercise  # noqa: E402
-
-yours, solution = exercise.conversion_losses(
-    stages.load_script(WORKING_COPY, "trainee_train_gpt2"), ddp, DATA,
-    Path("runs") / "conversion", steps=10)
-assert len(yours) == 10 and all(abs(a - b) <= 1e-6
-                                for a, b in zip(yours, solution)), (yours, solution)
+assert all(abs(mine - one) < 1e-6 for mine, one in
+           zip(result["losses"], result["expected_losses"], strict=True)), \
+    "the loss returned is the mean over every microbatch of every rank"
+assert result["all_reduces"] == [1, 1, 1], (
+    "the gradients are all-reduced after every microbatch: no_sync() skips all but "
+    "the last")
 ### END HIDDEN TESTS
 
 # %% [markdown]
