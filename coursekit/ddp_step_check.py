@@ -55,7 +55,8 @@ def counted_allreduce(counter, bucket):
 
 
 def train_with_answer(ddp_step, rank):
-    """(the losses ddp_step returned, the all-reduces of each step, its error or None)."""
+    """(the model trained, the losses ddp_step returned, the all-reduces of each step, its
+    error or None)."""
     model = DDP(make_model())
     counter = {"all-reduces": 0}
     model.register_comm_hook(counter, counted_allreduce)
