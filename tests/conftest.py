@@ -104,14 +104,24 @@ def pytest_xdist_make_scheduler(config, log):
         def _assign_work_unit(self, node):
             """With 3 workers or more, the last runs the Slurm group and nothing else: its tests
             mostly wait for jobs whose processes are Slurm's, not the worker's, so it would leave
-            a core idle while they wait. The other workers never take the Slurm group."""
-            slurm_worker = len(self.nodes) > 2 and node is self.nodes[-1] and any(
+            a core idle while they wait. The other workers never take the Slurm group. With
+            fewer (xdist shuts down the workers that a few files leave without work), any worker
+            takes any group."""
+            if len(self.nodes) < 3:
+                return super()._assign_work_unit(node)
+            slurm_worker = node is self.nodes[-1] and any(
                 self._split_scope(nodeid) == "slurm" for nodeid in self.collection)
             self.assigned_work.setdefault(node, {})
             for scope in self.workqueue:
                 if (scope == "slurm") == slurm_worker:
                     self.workqueue.move_to_end(scope, last=False)
                     return super()._assign_work_unit(node)
+            if slurm_worker:
+                # Its group is all sent. A worker holds back its last test until it is told that
+                # no more will come, which xdist says once every other file has gone out: the
+                # last Slurm test (the dead node's, which waits out timeouts) started in ci36
+                # after 16 idle minutes, and ran alone at the end of the session.
+                node.shutdown()
 
     # in the order of collection (LONGEST_FIRST), not xdist's default of the most tests first
     config.option.loadscopereorder = False
