@@ -34,10 +34,15 @@ from pathlib import Path
 from coursekit import KitError, launch
 
 
-#: On a busy node (a shared login node, a test run's 2 cores) Ray's per-node agent can take more
-#: than the 30 s the raylet gives it to register, and the raylet then aborts the node's start
-#: ("Timed out waiting for file .../metrics_agent_port"): give it 5 minutes.
+#: On a busy node (a shared login node, a test run's 2 cores) Ray's per-node agents start slowly:
+#: give the runtime-env agent 5 minutes to register instead of 30 s.
 PATIENT_START = {"RAY_agent_register_timeout_ms": "300000"}
+#: How many times a node that fails to start is started again. Ray 2.60's raylet waits a fixed
+#: 30 s for its dashboard agent to write its port file, whatever RAY_agent_register_timeout_ms
+#: says, and aborts the node's start when it is late ("Timed out waiting for file
+#: .../metrics_agent_port"): on a test run's 2 cores, with another Ray cluster starting trials
+#: beside it, a worker node failed three starts in a row (ci37). Each try takes about 40 s.
+START_ATTEMPTS = 5
 
 
 def check_token():
@@ -85,16 +90,16 @@ def start_command(temp_dir, head, port=None, address=None, cpus=None, gpus=None,
 def run_node(head, port=None, address=None, cpus=None, gpus=None):
     """Run one Ray node until it is told to stop (SIGTERM, as `scancel --signal=TERM` sends the
     job's steps); its private directory goes with it. Returns 0 once stopped, else ray start's
-    exit status. A node that fails to start starts again, up to PORT_ATTEMPTS times in all: a
+    exit status. A node that fails to start starts again, up to START_ATTEMPTS times in all: a
     head's dashboard and client ports are the kit's choice, and another user of the node may bind
     one of them first (the head then starts again on others); and on a busy node a raylet can
     take longer than the 30 s Ray gives it to register ("The current node timed out during
     startup")."""
     check_token()
-    for attempt in range(1, launch.PORT_ATTEMPTS + 1):
+    for attempt in range(1, START_ATTEMPTS + 1):
         chosen = [launch.free_port(), launch.free_port()] if head else []
         status, stopped = run_ray_start(head, port, address, cpus, gpus, *chosen)
-        if stopped or status == 0 or attempt == launch.PORT_ATTEMPTS:
+        if stopped or status == 0 or attempt == START_ATTEMPTS:
             break
         taken = [chosen_port for chosen_port in chosen if launch.bind_error(chosen_port)]
         reason = (f"port {taken[0]} was taken before the head could bind it" if taken
