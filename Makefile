@@ -134,9 +134,12 @@ $(BASE_RUN): $(CORE) | $(BUILTIN_DATA)
 	touch $@
 
 # The tests' first ZeRO run would compile DeepSpeed's CPU communication op; the set-up does it
-# instead, on the core that the base model's training leaves free once pip is done.
+# instead, on the core that the base model's training leaves free once pip is done: one compiler
+# at a time (MAX_JOBS, torch.utils.cpp_extension's), since ninja would otherwise compile the op's
+# two files at once and take the base model's core (its steps took 0.77 s instead of 0.41 for
+# the build's 42 s, measured in a fresh set-up, 2026-11-30).
 $(DEEPSPEED_OP): $(INSTALLED)
-	$(BIN)/python -c "from deepspeed.accelerator import get_accelerator; \
+	MAX_JOBS=1 $(BIN)/python -c "from deepspeed.accelerator import get_accelerator; \
 	  op = get_accelerator().create_op_builder('ShareMemCommBuilder'); \
 	  op and op.is_compatible() and op.load()"
 	touch $@
