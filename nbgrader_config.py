@@ -26,9 +26,9 @@ c.CourseDirectory.feedback_directory = "feedback"
 # The jupytext pair of a lesson holds its solutions: only the notebook is released.
 c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedback", "runs",
                             "[0-9][0-9]-*.py", "[0-9][0-9][a-z]-*.py"]  # 00-..., 00b-...
-# A trainee's working copies of the stage scripts are graded (lessons 02 and 04), so autograde
-# keeps the ones handed in, never the course root's own; `python -m coursekit assignments`
-# releases none.
+# A trainee's working copies of the stage scripts (lessons 02 and 04, practice) are theirs:
+# autograde keeps the ones handed in, never the course root's own; `python -m coursekit
+# assignments` releases none.
 c.Autograde.exclude_overwriting = {lesson: list(grading.WORKING_COPIES)
                                    for lesson in grading.lessons(Path(__file__).parent)}
 c.ExecutePreprocessor.timeout = 600

@@ -37,7 +37,7 @@ def seconds_per_submission(root, lesson, kind, notebook, copies):
     """Grade ``copies`` submissions of ``notebook`` in one autograde run; wall seconds / copies."""
     shutil.rmtree(root / "submitted", ignore_errors=True)  # only this kind's students
     folder = grading.hand_in(root / "handed-in" / lesson / kind, lesson,
-                             nbformat.read(notebook, as_version=4), converted=kind == "full_marks")
+                             nbformat.read(notebook, as_version=4))
     submissions = {f"{kind}-{number}": folder for number in range(copies)}
     start = time.perf_counter()
     grading.autograde(root, lesson, submissions)

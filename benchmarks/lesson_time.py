@@ -4,9 +4,8 @@ does, for each lesson's **Time.** and the instructor guide's plans.
 Three parts, per section (a `## ` heading) of each lesson:
 - reading: the prose's words at READING_WPM, and the code of the cells at CODE_LINES_PER_MIN;
 - exercises: EXERCISE_BASE_MIN per graded exercise, plus the lines the trainee writes (the
-  solution's lines, or for a stage conversion the patch's added lines) at WRITING_LINES_PER_MIN;
-  the same for a conversion done as practice, ungraded (its Markdown cell tagged
-  PRACTICE_TAG);
+  solution's lines) at WRITING_LINES_PER_MIN; the same for a stage conversion done as practice,
+  ungraded (its Markdown cell tagged PRACTICE_TAG), with the patches' added lines;
 - waiting: the cells' run time, measured by executing the lesson here (a laptop-class CPU, the
   tiny preset), in the lesson's folder as the book does.
 
@@ -64,10 +63,8 @@ def conversion_lines(lesson):
                for step in diffs.lesson_steps(lesson))
 
 
-def solution_lines(cell, lesson):
+def solution_lines(cell):
     """Lines a trainee writes for the exercise whose solution cell this is."""
-    if cell.metadata["nbgrader"]["grade_id"] == grading.GRADED_WORKING_COPIES.get(lesson):
-        return conversion_lines(lesson)
     inside = re.search(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", cell.source, re.DOTALL)
     return len([line for line in inside.group(1).splitlines() if line.strip()]) if inside else 0
 
@@ -89,7 +86,7 @@ def sections(lesson, seconds):
             continue
         nbgrader = cell.metadata.get("nbgrader", {})
         if nbgrader.get("solution"):
-            found[-1][2] += EXERCISE_BASE_MIN + solution_lines(cell, lesson) / WRITING_LINES_PER_MIN
+            found[-1][2] += EXERCISE_BASE_MIN + solution_lines(cell) / WRITING_LINES_PER_MIN
         elif not nbgrader.get("grade"):
             found[-1][1] += len(cell.source.splitlines()) / CODE_LINES_PER_MIN
         found[-1][3] += seconds.get(index, 0.0) / 60

@@ -1,4 +1,5 @@
-"""What a lesson's hidden tests use to check that an answer is the trainee's own work.
+"""What a lesson's tests use to check an answer: that it is the trainee's own work, and, for an
+answer that must run on several processes, the kit's checker of it.
 
 An exercise that asks for, say, the FLOPs per token would be passed by ``return
 perf.flops_per_token(...)``: the kit already computes it. Hidden tests run their checks inside
@@ -32,25 +33,23 @@ def own_work(*functions):
             function.__code__ = code
 
 
-def conversion_losses(script, solution, data_dir, out_dir, steps=4):
-    """The losses of a trainee's converted stage script and of the finished one, each trained
-    for ``steps`` small steps in this process (one process: a group of one) on ``data_dir``:
-    the hidden tests of a conversion compare them. ``script`` and ``solution`` are modules
-    (coursekit.stages.load_script, stages.load)."""
-    import contextlib
-    import io
-    import shutil
+def run_checker(checker, function, processes=2, folder="runs", timeout=300):
+    """What the kit's ``checker`` module (coursekit.ddp_step_check, coursekit.fsdp_shard_check)
+    prints as its last line, a JSON object, when torchrun runs it on ``processes`` processes with
+    the source of the trainee's ``function``, written to ``folder``; {"error": its stderr's end}
+    if it printed nothing."""
+    import inspect
+    import json
+    import subprocess
     from pathlib import Path
 
-    from coursekit import runs
+    from coursekit.launch import torchrun
 
-    losses = []
-    for module, name in ((script, "yours"), (solution, "solution")):
-        out = Path(out_dir) / name
-        shutil.rmtree(out, ignore_errors=True)
-        with contextlib.redirect_stdout(io.StringIO()):
-            module.main(["--preset", "tiny", "--device", "cpu", "--data", str(data_dir),
-                         "--out", str(out), "--max-steps", str(steps), "--micro-batch", "1",
-                         "--batch-tokens", "256", "--eval-steps", "1", "--sample-tokens", "0"])
-        losses.append([record["loss"] for record in runs.read_metrics(out)])
-    return losses
+    answer = Path(folder) / f"{function.__name__}.py"
+    answer.parent.mkdir(exist_ok=True)
+    answer.write_text(inspect.getsource(function))
+    done = subprocess.run([*torchrun(processes), "-m", checker, str(answer)],
+                          capture_output=True, text=True, timeout=timeout)
+    if not done.stdout.strip():
+        return {"error": done.stderr[-2000:]}
+    return json.loads(done.stdout.splitlines()[-1])

@@ -27,7 +27,7 @@ from pathlib import Path
 from nbgrader.exchange.default import ExchangeCollect, ExchangeReleaseFeedback
 from nbgrader.preprocessors import ClearHiddenTests, NbGraderPreprocessor
 
-from coursekit import KitError, diffs, stages
+from coursekit import KitError
 from coursekit.diffs import WORKING_COPIES
 
 #: The cell tag that autograde skips (nbgrader_config.py sets it as Execute.skip_cells_with_tag).
@@ -38,9 +38,6 @@ DEMO_TAG = "demo"
 INSTRUCTOR_TAG = "instructor"
 #: The kernel autograde runs submissions in (coursekit/jupyter/kernels/, coursekit/sandbox.py).
 GRADING_KERNEL = "coursekit-grading"
-#: Lessons that grade the working copies (coursekit.diffs) handed in with the notebook: {lesson:
-#: that exercise's id}. A release has no working copy: each trainee starts their own.
-GRADED_WORKING_COPIES = {"04-model-parallelism": "conversions"}
 
 
 def lessons(root):
@@ -285,16 +282,12 @@ def unpair(notebook):
         write_notebook(released, notebook)  # nbgrader's 0644 kept: trainees read the release
 
 
-def hand_in(folder, lesson, notebook, converted):
-    """A submission folder: ``notebook`` (an nbformat notebook) and, for a lesson that grades
-    them, its working copies, converted to their target stages or as the lesson starts them."""
+def hand_in(folder, lesson, notebook):
+    """A submission folder holding ``notebook`` (an nbformat notebook)."""
     import nbformat
 
     folder.mkdir(parents=True)
     nbformat.write(notebook, folder / f"{lesson}.ipynb")
-    for step in diffs.lesson_steps(lesson) if lesson in GRADED_WORKING_COPIES else []:
-        shutil.copy(stages.script_path(step.target if converted else step.source),
-                    folder / diffs.working_copy_name(step))
     return folder
 
 

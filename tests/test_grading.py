@@ -101,6 +101,9 @@ SHORTCUTS = {
         "best_microbatches": ("no bubble to fill", """
             def best_microbatches(stages, batch, overhead, per_sample):  # the bubble alone
                 return batch"""),
+        "shard_model": ("every block its own unit", """
+            def shard_model(model, mesh):  # one unit: trains right, gathers the whole model
+                return fully_shard(model, mesh=mesh)"""),
     },
     "06-mlops": {
         "sha256_manifest": (OWN_CODE, """
@@ -153,7 +156,7 @@ def course(tmp_path_factory):
     shutil.copy(KIT_ROOT / "nbgrader_config.py", root)
     shutil.copytree(KIT_ROOT / "notebooks", root / "notebooks",
                     ignore=shutil.ignore_patterns("runs", ".ipynb_checkpoints", *diffs.WORKING_COPIES))
-    for lesson in grading.GRADED_WORKING_COPIES:
+    for lesson in grading.lessons(root):  # as an instructor who ran the lessons in place
         for step in diffs.lesson_steps(lesson):
             diffs.start_working_copy(lesson, diffs.working_copy_path(step, root), stage=step.target)
     grading.generate(root)
@@ -161,8 +164,8 @@ def course(tmp_path_factory):
 
 
 def test_the_release_has_no_working_copy(course):
-    """Each trainee starts their own; autograde then grades the one handed in, not the course
-    root's (or the conversion, handed in solved, would score 0)."""
+    """Each trainee starts their own, even where running the lessons in the course root left
+    some there."""
     for name in diffs.WORKING_COPIES:
         assert list((course / "notebooks").glob(f"*/{name}"))
         assert not list((course / "release").glob(f"*/{name}"))
@@ -245,10 +248,7 @@ def graded(course, tmp_path_factory, intrusion_targets):
                 notebooks["blank"] = release
                 notebooks["blank-tests-tagged-demo"] = with_graded_cells_tagged_demo(release)
                 notebooks["intruder"] = with_intrusion(source, lesson, *intrusion_targets)
-            unconverted = {"blank", *(half for half in HALVES if grading.GRADED_WORKING_COPIES.get(
-                lesson) in left_out(list(exercises(source)), half))}
-            submissions = {student: grading.hand_in(folder / student, lesson, notebook,
-                                            converted=student not in unconverted)
+            submissions = {student: grading.hand_in(folder / student, lesson, notebook)
                            for student, notebook in notebooks.items()}
             try:
                 with grader_with_secrets(tmp_path_factory.mktemp("grader-home")):

@@ -405,22 +405,10 @@ def ddp_step(ddp_model, optimizer, microbatches, loss_fn):
 
 
 # %% nbgrader={"grade": true, "grade_id": "ddp_step_tests", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
-import json  # noqa: E402
+from coursekit import exercise  # noqa: E402
 
-
-def check_ddp_step(function):
-    """coursekit.ddp_step_check's result for `function`, on 2 processes."""
-    answer = Path("runs") / "ddp_step.py"
-    answer.parent.mkdir(exist_ok=True)
-    answer.write_text(inspect.getsource(function))
-    done = subprocess.run([*torchrun(2), "-m", "coursekit.ddp_step_check", str(answer)],
-                          capture_output=True, text=True, timeout=300)
-    if not done.stdout.strip():
-        return {"error": done.stderr[-2000:]}
-    return json.loads(done.stdout.splitlines()[-1])
-
-
-result = check_ddp_step(ddp_step)
+# coursekit.ddp_step_check's result, on 2 processes
+result = exercise.run_checker("coursekit.ddp_step_check", ddp_step)
 print(result)
 assert result["error"] is None, result["error"]
 assert result["largest_difference"] < 1e-6, \

@@ -37,10 +37,10 @@
 # **Prerequisites.** Lesson 02: ranks, all-reduce, the global batch, `torchrun`.
 #
 # **Time.** About 3 hours, in three parts (the end of each is marked): about 45 minutes for
-# memory and FSDP, 25 for tensor and pipeline parallelism, and 2 hours for the lab that converts
-# the stage scripts, most of it typing the diffs' lines. The times are estimates of reading, the
-# exercises, and waiting for the cells on a laptop's CPU; the instructor guide says how they are
-# made.
+# memory and FSDP, 25 for tensor and pipeline parallelism, and over 2 hours for the lab: the
+# conversions of the stage scripts, most of it typing the diffs' lines, then exercise 4. The
+# times are estimates of reading, the exercises, and waiting for the cells on a laptop's CPU; the
+# instructor guide says how they are made.
 
 # %%
 import matplotlib.pyplot as plt
@@ -48,7 +48,8 @@ import psutil
 import torch
 from IPython.display import Markdown, display
 
-from coursekit import KIT_ROOT, data, diffs, memory, presets, runs, stages, widgets
+from coursekit import (KIT_ROOT, data, diffs, exercise, memory, presets, runs, stages,
+                       widgets)
 from coursekit.launch import torchrun
 from solutions import gpt
 
@@ -75,8 +76,7 @@ TINY, GPT2 = (memory.Model.from_preset(tiny),
 GPUS = torch.cuda.device_count()
 print(f"torch {torch.__version__}; GPUs visible: {GPUS}")
 LESSON = "04-model-parallelism"
-# your working copies, next to this notebook and handed in with it: one per diff of the
-# lesson
+# your working copies, next to this notebook: one per diff of the lesson
 FSDP_COPY, TP_COPY, PP_COPY = (Path(name).resolve() for name in
                                ("train_gpt2.py", "train_gpt2_tp.py",
                                 "train_gpt2_pp.py"))
@@ -218,8 +218,6 @@ assert bytes_per_rank(1000, "ddp", 4) == {"params": 4000, "grads": 4000,
 assert bytes_per_rank(1000, "fsdp", 4) == {"params": 1000, "grads": 1000,
                                            "optimizer": 2000}
 ### BEGIN HIDDEN TESTS
-from coursekit import exercise
-
 expected = {strategy: memory.per_rank_bytes(GPT2, strategy, 16)
             for strategy in memory.DATA_PARALLEL}
 with exercise.own_work(memory.per_rank_bytes, memory.data_parallel_bytes,
@@ -750,43 +748,57 @@ plt.show()
 # %% [markdown]
 # *End of part 2. Part 3, the lab below, is the longest: do it in a lab session or as homework.*
 #
-# ## Lab: the three conversions
-#
-# **Exercise 4: the three conversions.** Make every hunk of the three diffs in your working
+# ## Lab: the three conversions, then one piece of FSDP from its specification
+
+# %% [markdown] tags=["practice"]
+# **The three conversions, your practice.** Make every hunk of the three diffs in your working
 # copies, in the editor: `train_gpt2.py` (DDP to FSDP), `train_gpt2_tp.py` and `train_gpt2_pp.py`
-# (FSDP to TP and to PP). Your answer is those files, handed in with this notebook: delete the
-# `raise NotImplementedError()` of the next cell, which has nothing for you to write, and run
-# the test after it. The test checks that every hunk is applied; when grading, it also trains
-# each of your scripts in one process for a few steps and compares its losses with those of the
-# finished stage.
+# (FSDP to TP and to PP), until each report above has nothing left. The conversions are not
+# graded, since applying hunks takes no understanding of them; exercise 4 is, and it is the step
+# at the heart of the FSDP stage.
 
-# %% nbgrader={"grade": false, "grade_id": "conversions", "locked": false, "schema_version": 3, "solution": true, "task": false}
-# Your work for this exercise is in train_gpt2.py, train_gpt2_tp.py and
-# train_gpt2_pp.py.
-### BEGIN SOLUTION
-for stage, copy in (("fsdp", FSDP_COPY), ("tp", TP_COPY), ("pp", PP_COPY)):
-    diffs.start_working_copy(LESSON, copy, stage=stage)
-    # the work in the editor, done here
-    for found in diffs.status(LESSON, copy, stage=stage):
-        if found.state == "not yet applied":
-            diffs.apply_hunk(LESSON, found.hunk.number, copy, stage=stage)
-### END SOLUTION
+# %% [markdown]
+# **Exercise 4: shard a model.** Write `shard_model(model, mesh)` with FSDP2's `fully_shard`, for
+# a model that is a token embedding (`model.embed`), a stack of blocks (`model.blocks`, an
+# `nn.ModuleList`) and an output head (`model.head`), as GPT-2 is. Every rank must keep a share of
+# every parameter; while the model runs forward, at most the block that runs and the one FSDP
+# prefetches may hold their whole weights; and training on $N$ ranks must give the model that one
+# process trains on all their batches. Return the model. Your function may use `torch` and
+# `fully_shard`; the FSDP stage's `apply_fsdp` is refused. The test runs it on 2 processes
+# (`coursekit/fsdp_shard_check.py`): each rank shards a model of 4 blocks, counts the blocks
+# whose weights are whole as each block runs, and takes 2 steps on a batch of its own.
 
-# %% nbgrader={"grade": true, "grade_id": "conversions_tests", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
-for stage, copy in (("fsdp", FSDP_COPY), ("tp", TP_COPY), ("pp", PP_COPY)):
-    statuses = diffs.status(LESSON, copy, stage=stage)
-    print(diffs.report(LESSON, statuses).splitlines()[-1], f"({copy.name})")
-    assert all(found.state == "applied" for found in statuses), \
-        f"{copy.name}: see the report"
+# %% nbgrader={"grade": false, "grade_id": "shard_model", "locked": false, "schema_version": 3, "solution": true, "task": false}
+from torch.distributed.fsdp import fully_shard  # noqa: E402
+
+
+def shard_model(model, mesh):
+    ### BEGIN SOLUTION
+    # one unit per block: gathered just before it runs, freed after
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    # the root's unit holds what no block does (embedding, head) and manages the others
+    fully_shard(model, mesh=mesh)
+    return model
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "shard_model_tests", "locked": true, "points": 3, "schema_version": 3, "solution": false, "task": false}
+# coursekit.fsdp_shard_check's result, on 2 processes
+result = exercise.run_checker("coursekit.fsdp_shard_check", shard_model)
+print(result)
+assert result["error"] is None, result["error"]
+assert result["largest_difference"] < 1e-6, (
+    "the model differs from that of one process on every rank's batches: a parameter "
+    "outside every unit (the embedding, the head) is never averaged over the ranks")
 ### BEGIN HIDDEN TESTS
-from coursekit import exercise  # noqa: E402
-
-for stage, copy in (("fsdp", FSDP_COPY), ("tp", TP_COPY), ("pp", PP_COPY)):
-    yours, solution = exercise.conversion_losses(
-        stages.load_script(copy, f"trainee_{stage}"), stages.load(stage), DATA,
-        Path("runs") / f"conversion-{stage}")
-    assert len(yours) == 4 and all(abs(a - b) <= 1e-6
-                                   for a, b in zip(yours, solution)), stage
+blocks = {f"blocks.{i}" for i in range(result["blocks"])}
+assert blocks <= set(result["units"]), (
+    "every block its own unit: one unit for the whole model gathers every block's "
+    "weights at once, and its peak is the whole model")
+assert "(the whole model)" in result["units"], \
+    "the root (the embedding and the head) is a unit too"
+assert result["most_blocks_gathered"] <= 2, result
 ### END HIDDEN TESTS
 
 # %% [markdown]
