@@ -1,7 +1,7 @@
-"""The check of lesson 04's exercise 4: your `shard_model`, run on every rank of a small job, against
-one process that trains the same model on all the ranks' batches at once. It lives in the kit, not
-beside the lesson, so that grading runs the instructor's copy (the grading sandbox shows a
-submission's folder and the kit, coursekit/sandbox.py).
+"""The check of lesson 04's exercise 4: your `shard_model`, run on every rank of a small job,
+against one process that trains the same model on all the ranks' batches at once. It lives in the
+kit, not beside the lesson, so that grading runs the instructor's copy (the grading sandbox shows
+a submission's folder and the kit, coursekit/sandbox.py).
 
     torchrun --nnodes=1 --nproc-per-node=2 --master-addr=127.0.0.1 --master-port=P \
         -m coursekit.fsdp_shard_check ANSWER.py
@@ -118,7 +118,8 @@ def train_in_one_process(world_size):
     for step in range(STEPS):
         pairs = [batch(step, rank) for rank in range(world_size)]
         optimizer.zero_grad()
-        loss_of(model, torch.cat([t for t, _ in pairs]), torch.cat([y for _, y in pairs])).backward()
+        tokens, targets = (torch.cat(part) for part in zip(*pairs))
+        loss_of(model, tokens, targets).backward()
         optimizer.step()
     return model
 
