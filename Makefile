@@ -21,9 +21,6 @@ REQUIREMENTS := $(if $(SITE_TORCH),<(grep -v '^torch==' requirements.txt) -c $(S
 CORE_PACKAGES := $(if $(SITE_TORCH),,torch) numpy tiktoken tqdm safetensors
 # pip itself, pinned like everything else it installs
 PIP := pip==26.3
-# Without byte-compiling: pip would compile all ~28,000 modules it installs (a minute of a core),
-# and the kit imports under a third of them, which Python compiles on their first import.
-PIP_INSTALL := $(BIN)/python -m pip install --quiet --no-compile
 # tiktoken reads the GPT-2 vocabulary from here, so nothing is downloaded at run time.
 export TIKTOKEN_CACHE_DIR := $(CURDIR)/.cache/tiktoken
 # DeepSpeed compiles a C++ op on first use (lessons 05, the lora stage and its jobs): once per
@@ -80,13 +77,13 @@ setup-site:
 # (as constraints, which cannot name extras such as ray[default]: the same pins without them).
 $(CORE): requirements.txt pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(PIP_INSTALL) $(PIP)
-	$(PIP_INSTALL) -c <(sed -E 's/\[[^]]*\]//' requirements.txt) $(CORE_PACKAGES)
-	$(PIP_INSTALL) --no-deps -e .
+	$(BIN)/python -m pip install --quiet $(PIP)
+	$(BIN)/python -m pip install --quiet -c <(sed -E 's/\[[^]]*\]//' requirements.txt) $(CORE_PACKAGES)
+	$(BIN)/python -m pip install --quiet --no-deps -e .
 	touch $@
 
 $(INSTALLED): $(CORE) requirements-dev.txt
-	$(PIP_INSTALL) -r $(REQUIREMENTS) -r requirements-dev.txt -e .
+	$(BIN)/python -m pip install --quiet -r $(REQUIREMENTS) -r requirements-dev.txt -e .
 	touch $@
 
 $(TOKENIZER): $(CORE)
