@@ -24,7 +24,8 @@
     free-port                                  a TCP port free on this host now (batch files)
     torchrun --nproc N SCRIPT [ARGS]           SCRIPT on N processes here (static rendezvous)
     compile-cache                              export lines: torch.compile's caches, private
-    lab                                        JupyterLab as `make lab` starts it
+    lab [--tunnel]                             JupyterLab as `make lab` starts it; --tunnel: in a
+                                               batch job, behind a token, reached by SSH
     ray-node --head --port P | --address H:P   one node of a job's Ray cluster (batch files)
     ray-nodes --address H:P --expect N         wait for N Ray nodes, run a task on each
     mlflow-server [--store URI] [--port P]     MLflow's UI on 127.0.0.1 behind your own password
@@ -121,8 +122,13 @@ def build_parser():
     torchrun.add_argument("script", help="the script, then its own arguments")
     torchrun.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
-    commands.add_parser("lab", help="JupyterLab on 127.0.0.1, kernels over private Unix sockets, "
-                                    "torch.compile's caches private (make lab)")
+    lab = commands.add_parser("lab", help="JupyterLab on 127.0.0.1, kernels over private Unix "
+                                          "sockets, torch.compile's caches private (make lab)")
+    lab.add_argument("--tunnel", action="store_true",
+                     help="for a batch job (batch-lab.sh): a token of its own, kept in --state, "
+                          "and the SSH tunnel to reach it printed")
+    lab.add_argument("--state", help="with --tunnel: where the token is kept, private (default "
+                                     "runs/lab)")
     commands.add_parser("compile-cache", help="export lines for private Inductor and Triton caches "
                                               "(checked: yours, mode 0700)")
 
@@ -388,6 +394,11 @@ def run_torchrun(args):
 
 
 def run_lab(args):
+    if args.tunnel:
+        from coursekit import lab_job
+        return lab_job.serve(args.state or lab_job.DEFAULT_STATE)
+    if args.state:
+        raise KitError(f"--state {args.state}: only a lab with --tunnel keeps a token")
     from coursekit import caches, launch
     caches.use_private_compile_cache()  # for a notebook's own torch.compile
     os.environ["JUPYTER_RUNTIME_DIR"] = launch.lab_runtime_dir()

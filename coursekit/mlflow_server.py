@@ -11,16 +11,14 @@ STATE/password, which only you can read (STATE is made 0700). Every request with
 """
 import getpass
 import os
-import secrets
-import signal
 import socket
-import stat
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from coursekit import KitError, launch, registry, runs, tracking
+from coursekit import KitError, launch, registry, tracking
+from coursekit.servers import private_state, secret, serve_until_stopped
 
 DEFAULT_STATE = Path("runs") / "mlflow-server"
 AUTH_CONFIG = """[mlflow]
@@ -29,27 +27,6 @@ database_uri = sqlite:///{database}
 admin_username = {user}
 authorization_function = mlflow.server.auth:authenticate_request_basic_auth
 """
-
-
-def private_state(state):
-    """STATE, made 0700 if new; refused in one line if it is someone else's or open to others:
-    checked before make_run_dir, which would close an open one, as others may have read the
-    password in it already."""
-    if state.exists():
-        info = state.stat()
-        if info.st_uid != os.getuid() or stat.S_IMODE(info.st_mode) & 0o077:
-            raise KitError(f"{state} must be yours and closed to others (mode "
-                           f"{stat.S_IMODE(info.st_mode):o}, owner id {info.st_uid}): "
-                           f"`chmod 700 {state}`, or pass another --state")
-    return runs.make_run_dir(state)
-
-
-def secret(path):
-    """The random secret kept in ``path``, made the first time (readable by its owner alone)."""
-    if not path.exists():
-        with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as out:
-            out.write(secrets.token_urlsafe(24))
-    return path.read_text().strip()
 
 
 def server_command(store, artifacts, port):
@@ -104,28 +81,7 @@ def serve(store=None, artifacts=None, port=None, state=DEFAULT_STATE):
     artifacts = artifacts or Path("runs") / "mlartifacts"
     tracking.make_store_private(store, Path(artifacts))
     environment = server_environment(state)
-    for _ in range(1 if port else launch.PORT_ATTEMPTS):
-        chosen = port or launch.free_port()
-        server = subprocess.Popen(server_command(store, artifacts, chosen), env=environment)
-        forward_stop_signals(server)
-        if launch.listens(server, chosen):
-            print(how_to_reach(store, chosen, state), flush=True)
-            return exit_status(server.wait())
-        if port or not launch.bind_error(chosen):  # MLflow failed for its own reason, as it said
-            return exit_status(server.returncode)
-        print(f"port {chosen} was taken before MLflow could bind it", file=sys.stderr,
-              flush=True)
-    raise KitError(f"{launch.PORT_ATTEMPTS} free ports in a row were taken before MLflow "
-                   "could bind them: give one with --port")
-
-
-def forward_stop_signals(server):
-    """The signals that stop a job or a terminal session go on to MLflow, as if it had been
-    started without the kit."""
-    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
-        signal.signal(signum, lambda received, frame: server.send_signal(received))
-
-
-def exit_status(returncode):
-    """MLflow's exit status as a shell reports it: 128 + N where signal N ended it."""
-    return 128 - returncode if returncode < 0 else returncode
+    return serve_until_stopped(
+        "MLflow", lambda chosen: subprocess.Popen(server_command(store, artifacts, chosen),
+                                                  env=environment),
+        lambda chosen: how_to_reach(store, chosen, state), port, advice="give one with --port")

@@ -7,6 +7,8 @@
     batchfiles/<site>/batch-course-files.sh       make course-files: what the lessons read
     batchfiles/<site>/batch-autograde.sh LESSON   autogrades a lesson's submissions
     batchfiles/<site>/batch-mlflow-ui.sh          the MLflow UI over runs/mlflow.db, on 127.0.0.1
+    batchfiles/<site>/batch-lab.sh                JupyterLab on a GPU node, on 127.0.0.1, for an
+                                                  SSH tunnel (centres without a portal)
     batchfiles/<site>/batch-hpo-1n1g.sh           an Optuna study: a job array, a worker per task
     batchfiles/<site>/batch-hpo-2n<G>g.sh         the same, each trial a DDP run on 2 nodes x G
     batchfiles/<site>/batch-selftest-<N>n<G>g.sh  coursekit selftest: the widest shapes on one
@@ -750,6 +752,29 @@ def mlflow_ui_job(profile):
                        '"$PWD/runs/mlartifacts"'])
 
 
+#: GPUs of a lab session (batch-lab.sh): the lessons' multi-process demonstrations start 2
+LAB_GPUS = 2
+
+
+def lab_job(profile):
+    """JupyterLab on a GPU node for the lessons, where a centre has no portal: on the node's
+    127.0.0.1, behind a token only the job's owner can read (coursekit/lab_job.py), reached
+    through an SSH tunnel that the log prints. Not requeued: at the time limit Slurm's SIGTERM
+    stops JupyterLab, which shuts its kernels down."""
+    topology = Topology(1, min(LAB_GPUS, profile["gpus_per_node"]))
+    lines = header(f"JupyterLab on {topology.gpus} "
+                   f"{'GPU(s)' if profile['gpu_vendor'] != 'none' else 'process(es)'} of a "
+                   "compute node, on its 127.0.0.1 only, behind a token of your own: the log "
+                   "says how to reach it through an SSH tunnel.", profile, profile["name"])
+    lines += sbatch_lines(profile, gpu_place(profile, topology), "lab", 1, 1,
+                          profile["cpus_per_gpu"] * topology.gpus, topology.gpus, requeue=False)
+    lines += [*job_preamble(profile, "$SLURM_CPUS_PER_TASK"),
+              "# the port: one free now; the token: in runs/lab/token, which only you can read",
+              "# (this log names the file and never holds the token)",
+              "exec python -m coursekit lab --tunnel"]
+    return "\n".join(lines) + "\n"
+
+
 def hpo_topologies(profile):
     """One GPU per trial, and each trial on 2 nodes (the most GPUs of the site's 2-node shapes)."""
     two_nodes = [t for t in profile["topologies"] if t.nodes == 2]
@@ -929,6 +954,7 @@ def expected_files(site, root=KIT_ROOT):
     files[f"batchfiles/{site}/batch-course-files.sh"] = course_files_job(profile)
     files[f"batchfiles/{site}/batch-autograde.sh"] = autograde_job(profile)
     files[f"batchfiles/{site}/batch-mlflow-ui.sh"] = mlflow_ui_job(profile)
+    files[f"batchfiles/{site}/batch-lab.sh"] = lab_job(profile)
     for stage in training_stages(root):
         for topology in topologies_for(stage, profile):
             files[f"batchfiles/{site}/batch-{stage}-{topology.name}.sh"] = \

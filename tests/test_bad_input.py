@@ -51,6 +51,8 @@ COMMAND_CASES = [
      "from (none: give the course root with --root)"),
     (["exchange", "create", "/nonexistent/exchange", "--group", "no-such-group"],
      "error: --group 'no-such-group' is not a Unix group here"),
+    (["lab", "--state", "runs/mine"], "error: --state runs/mine: only a lab with --tunnel keeps "
+                                      "a token"),
 ]
 
 

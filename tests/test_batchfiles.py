@@ -49,7 +49,8 @@ def test_every_stage_and_topology_has_a_file():
         profile = slurm.load_site(site)
         names = {p.split("/")[-1] for p in BATCH_FILES if p.split("/")[1] == site}
         expected = {"batch-data.sh", "batch-images.sh", "batch-course-files.sh",
-                    "batch-autograde.sh", "batch-mlflow-ui.sh", "batch-std-1n1g.sh"} | {
+                    "batch-autograde.sh", "batch-mlflow-ui.sh", "batch-lab.sh",
+                    "batch-std-1n1g.sh"} | {
             f"batch-{stage}-{t.name}.sh"
             for stage in ("ddp", "fsdp", "lit", "tp", "pp", "lora", "resnet")
             for t in slurm.topologies_for(stage, profile)}
@@ -299,7 +300,7 @@ def test_an_empty_qos_means_none(tmp_path):
     site = site_from_text(tmp_path, CI_TEXT.replace('qos: ""', "qos:"))
     assert slurm.load_site(site, tmp_path)["qos"] == ""
     files = slurm.expected_files(site, tmp_path)
-    assert len(files) == 38 and "--qos" not in "".join(files.values())
+    assert len(files) == 39 and "--qos" not in "".join(files.values())
 
 
 def test_placeholders_and_a_time_over_the_limit_are_warned_of_before_writing(tmp_path):
@@ -321,7 +322,7 @@ def test_the_command_line_warns_and_names_the_absolute_folder_it_wrote(tmp_path)
     result = subprocess.run([sys.executable, "-m", "coursekit", "batchfiles", "--site", "generic"],
                             capture_output=True, text=True, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert result.stdout == f"generic: 38 batch files in {KIT_ROOT / 'batchfiles' / 'generic'}/\n"
+    assert result.stdout == f"generic: 39 batch files in {KIT_ROOT / 'batchfiles' / 'generic'}/\n"
     warnings = result.stderr.splitlines()
     assert all(line.startswith("warning: ") for line in warnings) and len(warnings) == 2
     assert "field 'account' is 'CHANGE_ME'" in warnings[0]
@@ -395,7 +396,9 @@ def test_each_job_asks_for_the_partition_and_time_of_its_kind(tmp_path):
     for name, text in files.items():
         kind = ("cpu" if name in slurm.CPU_JOBS else
                 "test" if name.startswith("batch-selftest") else
-                "small" if re.search(r"-1n[12]g\.sh$", name) else "medium")
+                # the lab session: one node, 2 GPUs (slurm.LAB_GPUS)
+                "small" if re.search(r"-1n[12]g\.sh$", name) or name == "batch-lab.sh" else
+                "medium")
         assert partition_of(text) == {"cpu": "small", "test": "gputest", "small": "gpusmall",
                                       "medium": "gpumedium"}[kind], name
         assert ("#SBATCH --time=00:15:00" in text) == (kind == "test"), name

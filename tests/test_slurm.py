@@ -503,6 +503,40 @@ def test_mlflow_ui_job_serves_the_tracking_store_to_its_owner_on_loopback_only(c
         subprocess.run(["scancel", job_id], env=slurm_env(cluster), check=True)
 
 
+def test_lab_job_serves_jupyterlab_to_its_owner_on_loopback_until_its_time_limit(cluster,
+                                                                                 cotenant):
+    """batch-lab.sh, with a time limit of a minute: JupyterLab answers its token alone, on
+    127.0.0.1 alone, at the port of the tunnel its log prints, and stops at the time limit."""
+    job_id = submit(cluster, "batch-lab.sh", "--time=00:01:00")
+    log = cluster["logs"] / f"batch-lab.sh.{job_id}.out"
+    try:
+        port = int(wait_until(lambda: log.exists() and re.search(
+            r"^JupyterLab on \S+:(\d+) \(127\.0\.0\.1 only\)", log.read_text(), re.M), 120,
+            "the job did not print its port").group(1))
+        token_file = KIT_ROOT / "runs" / "lab" / "token"
+        assert oct(token_file.stat().st_mode & 0o777) == oct(0o600)
+        assert oct(token_file.parent.stat().st_mode & 0o777) == oct(0o700)
+        token = token_file.read_text().strip()
+        status = f"http://127.0.0.1:{port}/api/status"
+        assert http_get(status, headers={"Authorization": f"token {token}"})[0] == 200
+        assert http_get(status)[0] == 403
+        asked = cotenant.run("curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", status,
+                             check=False)
+        assert asked.stdout == "403", asked
+        assert cotenant.run("cat", str(token_file), check=False).returncode != 0
+        listening = {c.laddr.ip for c in psutil.net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
+        assert listening == {"127.0.0.1"}
+        text = log.read_text()
+        assert f"-L {port}:127.0.0.1:{port}" in text and token not in text
+        _, record = wait_for_job(cluster, job_id, timeout=300)
+        assert "JobState=TIMEOUT" in record, record
+        assert "received signal 15, stopping" in log.read_text(), log.read_text()[-3000:]
+        assert not answers(status)
+    finally:
+        subprocess.run(["scancel", job_id], env=slurm_env(cluster), check=True)
+
+
 def test_the_selftest_job_runs_both_its_launches_across_both_nodes(cluster, builtin_in_kit):
     """The self-test as an instructor submits it, across 2 nodes, with one stage of each of its
     two launches across nodes: ddp (srun, a torchrun per node, as fsdp, tp and pp are started,
