@@ -30,7 +30,8 @@ CI = slurm.load_site("ci")
 CI_FILES = sorted(p.name for p in (KIT_ROOT / "batchfiles" / "ci").glob("*.sh"))
 TRAINING_FILES = [name for name in CI_FILES
                   if name not in slurm.CPU_JOBS
-                  and not name.startswith(("batch-lora", "batch-hpo", "batch-selftest", "batch-ray"))]
+                  and not name.startswith(("batch-lora", "batch-hpo", "batch-selftest", "batch-ray",
+                                          "batch-lab"))]
 LORA_FILES = [name for name in CI_FILES if name.startswith("batch-lora")]
 # Slurm runs every launch once, not every file, each on as few processes as show it: std on 1;
 # ddp on 1 node x 2 (the reference, and the requeue tests' file) and, started by srun, on 2 x 1;
