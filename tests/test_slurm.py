@@ -496,9 +496,7 @@ def test_mlflow_ui_job_serves_the_tracking_store_to_its_owner_on_loopback_only(c
         assert http_get(search)[0] == 401  # what another user of the node gets
         status, body = http_get(search, owner_login(KIT_ROOT / "runs" / "mlflow-server"))
         assert status == 200 and "experiments" in json.loads(body)
-        listening = {c.laddr.ip for c in psutil.net_connections("tcp")
-                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
-        assert listening == {"127.0.0.1"}
+        assert listening_addresses(port) == {"127.0.0.1"}
         assert f"-L {port}:127.0.0.1:{port}" in log.read_text()
     finally:
         subprocess.run(["scancel", job_id], env=slurm_env(cluster), check=True)
@@ -525,9 +523,7 @@ def test_lab_job_serves_jupyterlab_to_its_owner_on_loopback_until_its_time_limit
                              check=False)
         assert asked.stdout == "403", asked
         assert cotenant.run("cat", str(token_file), check=False).returncode != 0
-        listening = {c.laddr.ip for c in psutil.net_connections("tcp")
-                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
-        assert listening == {"127.0.0.1"}
+        assert listening_addresses(port) == {"127.0.0.1"}
         text = log.read_text()
         assert f"-L {port}:127.0.0.1:{port}" in text and token not in text
         _, record = wait_for_job(cluster, job_id, timeout=300)
@@ -642,9 +638,7 @@ def test_a_ray_cluster_spans_both_nodes_for_its_owner_alone_and_stops_on_sigusr1
         # the last announced: a head that fails to start (a busy node) starts again on other ports
         *_, port = re.findall(r"dashboard: 127\.0\.0\.1:(\d+) ", text)
         # the socket the dashboard bound: loopback alone, not every interface of the node
-        bound = {c.laddr.ip for c in psutil.net_connections("inet")
-                 if c.status == psutil.CONN_LISTEN and c.laddr.port == int(port)}
-        assert bound == {"127.0.0.1"}, bound
+        assert listening_addresses(int(port)) == {"127.0.0.1"}
         version = f"http://127.0.0.1:{port}/api/version"
         assert http_get(version)[0] == 401
         assert http_get(version, headers={"Authorization": f"Bearer {token}"})[0] == 200
@@ -655,6 +649,13 @@ def test_a_ray_cluster_spans_both_nodes_for_its_owner_alone_and_stops_on_sigusr1
     assert "SIGUSR1 received: the driver stops" in log.read_text()
     assert set(glob.glob("/tmp/ray-*")) == before  # each node's directory removed with it
     shutil.rmtree(run, ignore_errors=True)
+
+
+def listening_addresses(port):
+    """The addresses of this host on which something listens at ``port``: the socket a server
+    actually bound, not what its command line asked for."""
+    return {c.laddr.ip for c in psutil.net_connections("inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port}
 
 
 def answers(url):
