@@ -139,10 +139,15 @@ SHORTCUTS = {
             def token_f1(prediction, reference):
                 return kit_token_f1(prediction, reference)"""),
     },
-    "10-debugging": {  # a port written into the code, which another job may hold
+    "10-debugging": {  # a port written into the code, which another job may hold; the first
+        # thread's innermost frame, the watchdog's where it wrote the dump
         "fixed_launch": ("another job on the node may hold it", """
             def fixed_launch(out):
                 return [node_command(rank, 29500, out) for rank in (0, 1)]"""),
+        "blocked_in": ("the innermost frame of the main thread", """
+            def blocked_in(stacks):
+                last_dump = stacks.split("--- no step ended")[-1]
+                return re.findall(r'line \\d+ in (\\S+)', last_dump)[0]"""),
     },
 }
 

@@ -38,7 +38,7 @@
 # **Prerequisites.** Lesson 02 (DDP, torchrun, the process group), lesson 04 (what a rank holds in
 # memory), the cluster chapter (batch files, `squeue`, `sacct`).
 #
-# **Time.** About 75 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
+# **Time.** About 85 minutes: reading, the exercises, and waiting for the cells on a laptop's CPU.
 # The time is an estimate; the instructor guide says how it is made.
 #
 # Every job below is the ddp stage (`solutions/train_gpt2_ddp.py`) on 2 processes with one small
@@ -323,8 +323,101 @@ for rank, line in waits.items():
 assert waits[0].startswith("torch.distributed.barrier()") and "barrier" not in waits[1]
 
 # %% [markdown]
-# Rank 0 is in the barrier; rank 1 is already in the next step's forward pass, where DDP's first
-# steps synchronise too. Two ranks in two different collectives: the mismatch. **The fix.** No
+# A line of your code says where a rank is; the function it is blocked in says which collective
+# holds it. That is the innermost frame of the rank's main thread: PyTorch's own function, below
+# your line. A stacks file holds every thread of the rank, the thread that wrote the dump first,
+# and one dump each time the watchdog fired; the last one is the rank's state when it stopped.
+#
+# **Exercise 3: which collective.** Write `blocked_in(stacks)`: from the text of a rank's stacks
+# file, the name of the function that its main thread was in at the last dump. The main thread
+# is the one whose outermost frame is the script's `<module>`, wherever the dump lists it; each
+# thread's frames are listed most recent call first, one `File "...", line N in NAME` each. The
+# check runs it on a stand-in that dumps its threads twice, as the watchdog does.
+
+# %% nbgrader={"grade": false, "grade_id": "blocked_in", "locked": false, "schema_version": 3, "solution": true, "task": false}
+def blocked_in(stacks):
+    ### BEGIN SOLUTION
+    last_dump = stacks.split("--- no step ended")[-1]
+    for thread in last_dump.split("\n\n"):
+        functions = re.findall(r'File ".*", line \d+ in (\S+)', thread)
+        if functions and functions[-1] == "<module>":
+            return functions[0]
+    return None
+    ### END SOLUTION
+
+
+# %% nbgrader={"grade": true, "grade_id": "blocked_in_tests", "locked": true, "points": 2, "schema_version": 3, "solution": false, "task": false}
+# A stand-in for a rank: its main thread waits in `broadcast`, then in
+# `all_reduce`; each time, a watchdog thread dumps every thread's stack, as the
+# kit's does
+TWO_WAITS = RUNS / "two_waits.py"
+TWO_WAITS.write_text("""\
+import faulthandler
+import sys
+import threading
+
+waiting, dumped = threading.Lock(), threading.Lock()
+waiting.acquire()
+dumped.acquire()
+
+
+def watchdog():
+    for _ in range(2):
+        waiting.acquire()
+        print("--- no step ended within 4 s after step 1 ---", flush=True)
+        faulthandler.dump_traceback(sys.stdout, all_threads=True)
+        print(flush=True)
+        dumped.release()
+
+
+def broadcast():  # waits in C, as a collective does, until the watchdog has dumped
+    waiting.release()
+    dumped.acquire()
+
+
+def all_reduce():
+    waiting.release()
+    dumped.acquire()
+
+
+threading.Thread(target=watchdog).start()
+broadcast()
+all_reduce()
+""")
+two_waits = subprocess.run([sys.executable, TWO_WAITS], capture_output=True, text=True,
+                           timeout=60).stdout
+MAIN_LAST = ("the innermost frame of the main thread (outermost: <module>), "
+             "at the last dump")
+assert blocked_in(two_waits) == "all_reduce", MAIN_LAST
+### BEGIN HIDDEN TESTS
+# the main thread dumps itself: it is the current thread, listed first
+ITSELF = RUNS / "dumps_itself.py"
+ITSELF.write_text("import faulthandler\nimport sys\nimport threading\n\n\n"
+                  "def barrier():\n"
+                  "    faulthandler.dump_traceback(sys.stdout, all_threads=True)\n\n\n"
+                  "stop = threading.Event()\n"
+                  "threading.Thread(target=stop.wait, name='loader').start()\n"
+                  "barrier()\nstop.set()\n")
+itself = subprocess.run([sys.executable, ITSELF], capture_output=True, text=True,
+                        timeout=60).stdout
+assert blocked_in(itself) == "barrier", MAIN_LAST
+first_dump = two_waits.split("--- no step ended")[1]
+assert blocked_in("--- no step ended" + first_dump) == "broadcast", MAIN_LAST
+assert blocked_in(two_waits.replace("in all_reduce", "in reduce_scatter")) == \
+    "reduce_scatter", MAIN_LAST
+### END HIDDEN TESTS
+
+# %% tags=["demo"]
+blocked = {rank: blocked_in((RUNS / "barrier-on-rank-0" / "ranks" / f"{rank}.stacks")
+                            .read_text()) for rank in (0, 1)}
+for rank, function in blocked.items():
+    print(f"rank {rank} is blocked in {function}()")
+assert blocked[0] == "barrier" and blocked[1] != "barrier"
+
+# %% [markdown]
+# Rank 0 is in the barrier; rank 1 is already in the next step's forward pass (DDP's
+# `_pre_forward`), where DDP's first steps synchronise too. Two ranks in two different
+# collectives: the mismatch. **The fix.** No
 # collective in a branch that only some ranks take (here: no barrier; a file write needs none).
 #
 # On GPUs, PyTorch's **flight recorder** keeps each rank's last collectives (which, on what
@@ -616,7 +709,7 @@ print("made in forward by:",
 # *underflow* to zero, and the model stops learning without a NaN in sight (the stages scale the
 # loss in fp16, lesson 04).
 #
-# **Exercise 3: where it went wrong.** Write `diverged_at(records, factor=10)`: the first step
+# **Exercise 4: where it went wrong.** Write `diverged_at(records, factor=10)`: the first step
 # whose `grad_norm` is not finite, or more than `factor` times the median `grad_norm` of all the
 # steps before it; None if there is none. The first step has no steps before it and is never
 # the answer unless its norm is not finite.
@@ -708,7 +801,7 @@ assert abs(statistics.median(rank_1_minus_rank_0("ready_s")) - 0.3) < 0.12
 # the cause: move the data to a faster file system, exclude the node (`--exclude`), give the job
 # whole nodes.
 #
-# **Exercise 4: which rank.** Write `straggler(run_dir)`: the rank whose median `ready_s` in
+# **Exercise 5: which rank.** Write `straggler(run_dir)`: the rank whose median `ready_s` in
 # `run_dir/ranks/<rank>.jsonl` is the largest, and by how many seconds its median exceeds the
 # median of the other ranks' medians: `(rank, seconds)`. Skip the first step of each rank (it
 # includes one-off work), and a record whose `ready_s` is None.
