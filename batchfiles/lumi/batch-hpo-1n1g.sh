@@ -7,7 +7,7 @@
 # More or fewer workers at submission: sbatch --array=0-7%4 <this file> (at most 4 at once)
 #SBATCH --job-name=gpt2-hpo-1n1g
 #SBATCH --account=project_CHANGE_ME
-#SBATCH --partition=standard-g
+#SBATCH --partition=small-g
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=1
 #SBATCH --cpus-per-task=7

@@ -6,7 +6,7 @@
 # Submit from the kit's root: sbatch batchfiles/lumi/<this file>
 #SBATCH --job-name=gpt2-pp-1n2g
 #SBATCH --account=project_CHANGE_ME
-#SBATCH --partition=standard-g
+#SBATCH --partition=small-g
 #SBATCH --nodes=1
 #SBATCH --ntasks-per-node=2
 #SBATCH --cpus-per-task=7

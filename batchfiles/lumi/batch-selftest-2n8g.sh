@@ -7,7 +7,7 @@
 # It trains on data/fineweb-edu, which batch-data.sh prepares: submit that first.
 #SBATCH --job-name=selftest-2n8g
 #SBATCH --account=project_CHANGE_ME
-#SBATCH --partition=standard-g
+#SBATCH --partition=dev-g
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
 #SBATCH --cpus-per-task=56
