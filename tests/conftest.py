@@ -73,14 +73,9 @@ WORKER_GROUPS = {"tests/test_notebooks.py": "book", "tests/test_book.py": "book"
 
 #: The longest files, longest first (as `pytest --durations=0` measured them on this 2-core
 #: machine), so that the short ones fill in at the end and the workers finish together. The
-#: lessons' nbval runs come before the book, which is built from them (built_book). Ray's tests
-#: come before the grading tests, so that the third worker starts their Ray cluster first, beside
-#: the other workers' lightest minutes (lesson 01, the Slurm cluster's start): started later,
-#: beside lesson 05's and the Slurm self-test's processes, the head missed Ray's own start
-#: deadlines (the raylet's 30 s to register, the dashboard's) in three starts in a row and its
-#: tests failed (ci47).
+#: lessons' nbval runs come before the book, which is built from them (built_book).
 LONGEST_FIRST = ("tests/test_notebooks.py", "tests/test_slurm.py", "tests/test_book.py",
-                 "tests/test_browser.py", "tests/test_ray.py", "tests/test_grading.py",
+                 "tests/test_browser.py", "tests/test_grading.py", "tests/test_ray.py",
                  "tests/test_gpu_paths.py", "tests/test_stage_lora.py", "tests/test_tracking.py",
                  "tests/test_stage_tp.py", "tests/test_hpo.py", "tests/test_stage_std.py",
                  "tests/test_stage_resnet.py", "tests/test_site_torch.py", "tests/test_stage_pp.py",
