@@ -117,6 +117,11 @@ SHORTCUTS = {
                 pruner._try_initialization(optuna.create_study(pruner=pruner))
                 budgets = [max_resource / eta**s for s in range(pruner._n_brackets - 1, -1, -1)]
                 return list(zip(pruner._trial_allocation_budgets, budgets))"""),
+        # the lowest loss at the batch, where a NaN compares as neither lower nor higher
+        "choose_recipe": ("diverged: never chosen", """
+            def choose_recipe(recipes, results, batch):
+                return min((name for name in recipes if recipes[name][0] == batch),
+                           key=lambda name: results[name][1])"""),
     },
     "08-vision": {  # the slowest stage of all, and every core a worker
         "plan_loader": ("fewest workers", """
