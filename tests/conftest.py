@@ -7,6 +7,7 @@ be installed and started. A developer running tests as non-root with CI unset ma
 (the Slurm cluster needs root); the run then passes, and its summary lists them under a banner.
 """
 import base64
+import contextlib
 import fcntl
 import getpass
 import os
@@ -248,6 +249,28 @@ def session_folder(tmp_path_factory, name):
     return folder
 
 
+@contextlib.contextmanager
+def one_ray_at_a_time(tmp_path_factory):
+    """Hold the session's Ray turn, shared by every pytest-xdist worker, for as long as a Ray
+    cluster lives (a local Ray, a lesson's, a Slurm job's). A raylet has a fixed 30 s to register
+    with its node, and on 2 cores two Ray clusters starting at once miss it: a Slurm job's Ray
+    cluster beside the local Ray tests' trials did not start within 300 s (ci48, and a CI run),
+    and the local head missed it three times beside lesson 05 and the Slurm self-test (ci47)."""
+    lock = os.open(session_folder(tmp_path_factory, "ray-turn"), os.O_RDONLY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(lock)  # and with it the lock
+
+
+def ray_turn_for(lesson, tmp_path_factory):
+    """The Ray turn (one_ray_at_a_time) for a lesson that starts a local Ray when it runs; none
+    for the others."""
+    starts_ray = "raycluster.connect()" in lesson_notebook(lesson).with_suffix(".py").read_text()
+    return one_ray_at_a_time(tmp_path_factory) if starts_ray else contextlib.nullcontext()
+
+
 class LessonExecutions:
     """nbval's executions of the lessons (tests/nbval_record.py), kept in a jupyter-cache store
     that the books are built from: each lesson executes once for both. Shared by the workers in a
@@ -255,13 +278,20 @@ class LessonExecutions:
     record's test) runs nbval on it, under the folder's lock; the others, in any order, read
     what it kept."""
 
-    def __init__(self, folder):
+    def __init__(self, folder, tmp_path_factory):
         self.folder = folder
         self.cache = folder / "cache"
+        self.tmp_path_factory = tmp_path_factory
 
     def executed(self, lesson):
         """The record of nbval's run of ``lesson``, run now if no test ran it yet; fails naming
         the lesson if that run failed (the test that ran it shows why)."""
+        # the Ray turn before the lessons' lock, never inside it: holding that lock while Ray
+        # tests hold the turn would keep every other lesson waiting
+        with ray_turn_for(lesson, self.tmp_path_factory):
+            return self.executed_in_turn(lesson)
+
+    def executed_in_turn(self, lesson):
         lock = os.open(self.folder, os.O_RDONLY)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -346,7 +376,8 @@ def own_compile_caches(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="session")
 def lesson_executions(tmp_path_factory):
-    return LessonExecutions(session_folder(tmp_path_factory, "lesson-executions"))
+    return LessonExecutions(session_folder(tmp_path_factory, "lesson-executions"),
+                            tmp_path_factory)
 
 
 def lessons_run_under_nbval(session):

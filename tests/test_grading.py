@@ -12,7 +12,7 @@ import textwrap
 import nbformat
 import pytest
 
-from conftest import debian_tool, lesson_notebook
+from conftest import debian_tool, lesson_notebook, ray_turn_for
 from coursekit import KIT_ROOT, KitError, diffs, grading, trainee
 
 pytestmark = pytest.mark.grading
@@ -261,7 +261,8 @@ def graded(course, tmp_path_factory, intrusion_targets):
             submissions = {student: grading.hand_in(folder / student, lesson, notebook)
                            for student, notebook in notebooks.items()}
             try:
-                with grader_with_secrets(tmp_path_factory.mktemp("grader-home")):
+                with grader_with_secrets(tmp_path_factory.mktemp("grader-home")), \
+                        ray_turn_for(lesson, tmp_path_factory):
                     results[lesson] = exercises(source), grading.autograde(course, lesson,
                                                                            submissions)
             except KitError as failure:  # nbgrader failed: every test of the lesson reports it

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from conftest import (ONE_THREAD, TEN_STEPS, coursekit_with_first_port_taken, free_port,
-                      http_get, kit_env, run_stage)
+                      http_get, kit_env, one_ray_at_a_time, run_stage)
 from coursekit import KIT_ROOT, presets, rag, raycluster, runs
 from solutions import hpo_optuna
 
@@ -75,7 +75,8 @@ def ray_head(tmp_path_factory):
     env = kit_env({**ONE_THREAD, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token),
                    "RAY_ADDRESS": f"{raycluster.node_address()}:{port}"})
     log = {name: folder / f"{name}.log" for name in ("first", "head", "second", "waiting")}
-    with contextlib.ExitStack() as stack, socket.socket() as taken:
+    with one_ray_at_a_time(tmp_path_factory), contextlib.ExitStack() as stack, \
+            socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         first = coursekit(stack, log["first"], env, "ray-node", "--head", "--port", port,

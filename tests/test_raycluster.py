@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import one_ray_at_a_time
 from coursekit import KIT_ROOT, raycluster
 
 pytestmark = pytest.mark.unit
@@ -73,13 +74,22 @@ sys.stdin.read()
 
 @pytest.mark.stages
 @pytest.mark.slow  # starts Ray: not for make test-fast, whose selection takes the module's unit
-def test_a_co_tenant_can_enter_no_folder_of_a_local_ray_which_goes_when_it_stops(cotenant):
+def test_a_co_tenant_can_enter_no_folder_of_a_local_ray_which_goes_when_it_stops(
+        cotenant, tmp_path_factory):
     """Issue 47, item 6: Ray makes its temp folder 0777; the co-tenant renamed the raylet's socket
     in it, and the driver died. Here they try to list it and to move the socket away. And to read
     the token of that Ray (on by default for a local Ray), in ~/.ray of a home folder that they
     can enter: Ray would leave it readable to all."""
     home = Path(tempfile.mkdtemp(prefix="kit-home-", dir="/tmp"))  # where they can enter
     home.chmod(0o755)
+    with one_ray_at_a_time(tmp_path_factory):
+        private = refused_a_co_tenant(cotenant, home)
+    assert not private.exists()
+
+
+def refused_a_co_tenant(cotenant, home):
+    """The co-tenant's attempts on a local Ray's driver started with ``home``; the kit's private
+    folder above Ray's own, once the driver has ended well."""
     driver = subprocess.Popen([sys.executable, "-c", LOCAL_RAY_DRIVER], cwd=KIT_ROOT,
                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                               env={**os.environ, "HOME": str(home)})
@@ -96,4 +106,5 @@ def test_a_co_tenant_can_enter_no_folder_of_a_local_ray_which_goes_when_it_stops
     finally:
         driver.communicate("", timeout=120)
         shutil.rmtree(home)
-    assert driver.returncode == 0 and not private.exists()
+    assert driver.returncode == 0
+    return private

@@ -22,7 +22,8 @@ import urllib.request
 import psutil
 import pytest
 
-from conftest import debian_tool, held_pythonpath, http_get, made_in_kit, owner_login
+from conftest import (debian_tool, held_pythonpath, http_get, made_in_kit, one_ray_at_a_time,
+                      owner_login)
 from coursekit import KIT_ROOT, data, images, runs, slurm, widgets
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
@@ -611,7 +612,8 @@ def gcs_answers(address, token=None):
         return len(reply.node_info_list)
 
 
-def test_a_ray_cluster_spans_both_nodes_for_its_owner_alone_and_stops_on_sigusr1(cluster):
+def test_a_ray_cluster_spans_both_nodes_for_its_owner_alone_and_stops_on_sigusr1(
+        cluster, tmp_path_factory):
     """The Ray job on 2 nodes with a driver that holds the cluster: a task ran on each node; the
     control plane and the dashboard refuse a request without the job's token, or with another;
     SIGUSR1 (the time limit's warning) stops the driver, then every node, and the job ends well,
@@ -621,34 +623,62 @@ def test_a_ray_cluster_spans_both_nodes_for_its_owner_alone_and_stops_on_sigusr1
     run = KIT_ROOT / "runs" / "ci-ray-2n1g"
     shutil.rmtree(run, ignore_errors=True)
     before = set(glob.glob("/tmp/ray-*"))
-    job_id = submit(cluster, name, args=["tests/helpers/ray_driver.py"])
-    log = cluster["logs"] / f"{name}.{job_id}.out"
-    try:
-        wait_until(lambda: log.exists() and "driver ready" in log.read_text(), 300,
-                   "the driver did not join the cluster")
-        text = log.read_text()
-        assert "a task ran on each: node1, node2" in text and "driver ready: 2 nodes" in text
-        head = re.search(r"ray cluster at (\S+):(\d+):", text)
-        node_address = re.search(r"NodeAddr=(\S+)", scontrol(cluster, "show", "node", head[1]))[1]
-        gcs = f"{node_address}:{head[2]}"
-        token = (run / "ray-token").read_text().strip()
-        assert oct((run / "ray-token").stat().st_mode & 0o777) == "0o600"
-        assert gcs_answers(gcs) == gcs_answers(gcs, "not-the-token") == "UNAUTHENTICATED"
-        assert gcs_answers(gcs, token) == 2
-        # the last announced: a head that fails to start (a busy node) starts again on other ports
-        *_, port = re.findall(r"dashboard: 127\.0\.0\.1:(\d+) ", text)
-        # the socket the dashboard bound: loopback alone, not every interface of the node
-        assert listening_addresses(int(port)) == {"127.0.0.1"}
-        version = f"http://127.0.0.1:{port}/api/version"
-        assert http_get(version)[0] == 401
-        assert http_get(version, headers={"Authorization": f"Bearer {token}"})[0] == 200
-    finally:
-        subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=slurm_env(cluster))
-    status, record = wait_for_job(cluster, job_id, timeout=120)
+    with one_ray_at_a_time(tmp_path_factory):
+        job_id = submit(cluster, name, args=["tests/helpers/ray_driver.py"])
+        log = cluster["logs"] / f"{name}.{job_id}.out"
+        try:
+            text = driver_ready(cluster, job_id, log)
+            check_ray_cluster_refuses_strangers(cluster, run, text)
+        finally:
+            subprocess.run(["scancel", "--batch", "--signal=USR1", job_id],
+                           env=slurm_env(cluster))
+        status, record = wait_for_job(cluster, job_id, timeout=120)
     assert status == 0 and "JobState=COMPLETED" in record, log.read_text()[-3000:]
     assert "SIGUSR1 received: the driver stops" in log.read_text()
     assert set(glob.glob("/tmp/ray-*")) == before  # each node's directory removed with it
     shutil.rmtree(run, ignore_errors=True)
+
+
+#: How long the Ray job itself waits for its nodes (`coursekit ray-nodes`' default --timeout),
+#: and then some for its head to start and its driver to connect: the test gives up no sooner.
+RAY_JOB_PATIENCE_S = 300 + 120
+
+
+def driver_ready(cluster, job_id, log):
+    """The Ray job's log once its driver holds the cluster; fails with the log's end if the job
+    ended first, or its driver was not ready as long as the job waits for its nodes."""
+    def ready_or_ended():
+        text = log.read_text() if log.exists() else ""
+        return "driver ready" in text or job_state(cluster, job_id) in ENDED
+
+    try:
+        wait_until(ready_or_ended, RAY_JOB_PATIENCE_S, "the driver did not join the cluster",
+                   every=SLURM_POLL_S)
+    except AssertionError as late:
+        raise AssertionError(f"{late}; the job's log ends: {log.read_text()[-3000:]}") from None
+    text = log.read_text()
+    assert "driver ready" in text, f"the Ray job ended with no driver: {text[-3000:]}"
+    return text
+
+
+def check_ray_cluster_refuses_strangers(cluster, run, text):
+    """A task ran on each node; the control plane and the dashboard (on loopback alone) refuse a
+    request without the job's token, or with another."""
+    assert "a task ran on each: node1, node2" in text and "driver ready: 2 nodes" in text
+    head = re.search(r"ray cluster at (\S+):(\d+):", text)
+    node_address = re.search(r"NodeAddr=(\S+)", scontrol(cluster, "show", "node", head[1]))[1]
+    gcs = f"{node_address}:{head[2]}"
+    token = (run / "ray-token").read_text().strip()
+    assert oct((run / "ray-token").stat().st_mode & 0o777) == "0o600"
+    assert gcs_answers(gcs) == gcs_answers(gcs, "not-the-token") == "UNAUTHENTICATED"
+    assert gcs_answers(gcs, token) == 2
+    # the last announced: a head that fails to start (a busy node) starts again on other ports
+    *_, port = re.findall(r"dashboard: 127\.0\.0\.1:(\d+) ", text)
+    # the socket the dashboard bound: loopback alone, not every interface of the node
+    assert listening_addresses(int(port)) == {"127.0.0.1"}
+    version = f"http://127.0.0.1:{port}/api/version"
+    assert http_get(version)[0] == 401
+    assert http_get(version, headers={"Authorization": f"Bearer {token}"})[0] == 200
 
 
 def listening_addresses(port):
