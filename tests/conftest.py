@@ -255,7 +255,9 @@ def one_ray_at_a_time(tmp_path_factory):
     cluster lives (a local Ray, a lesson's, a Slurm job's). A raylet has a fixed 30 s to register
     with its node, and on 2 cores two Ray clusters starting at once miss it: a Slurm job's Ray
     cluster beside the local Ray tests' trials did not start within 300 s (ci48, and a CI run),
-    and the local head missed it three times beside lesson 05 and the Slurm self-test (ci47)."""
+    and the local head missed it three times beside lesson 05 and the Slurm self-test (ci47).
+    It keeps Ray from Ray only: in ci49, alone in its turn but beside lessons 04 and 05 and the
+    Slurm jobs, the local head missed it five times in a row."""
     lock = os.open(session_folder(tmp_path_factory, "ray-turn"), os.O_RDONLY)
     try:
         fcntl.flock(lock, fcntl.LOCK_EX)
