@@ -402,11 +402,13 @@ def test_solved_exercises_score_full_marks_and_unsolved_or_shortcut_ones_none_an
         unsolved = left_out(list(exercise_cells), half)
         their_tests = {cell for exercise in unsolved for cell in exercise_cells[exercise]}
         assert unsolved and all(exercise_cells[exercise] for exercise in unsolved)
-        got = scores[half]
-        expected = {cell: (0 if cell in their_tests else maximum) for cell, (_, maximum) in got.items()}
-        assert {cell: score for cell, (score, _) in got.items()} == expected, half
         autograded = nbformat.read(course / "autograded" / half / lesson / f"{lesson}.ipynb",
                                    as_version=4)
+        got = scores[half]
+        expected = {cell: (0 if cell in their_tests else maximum) for cell, (_, maximum) in got.items()}
+        wrong = {cell for cell, (score, _) in got.items() if score != expected[cell]}
+        assert not wrong, f"{half}: {wrong} scored {[got[cell] for cell in wrong]}, " \
+                          f"their errors: {errors(autograded, wrong)!r}"
         for exercise in set(unsolved) & set(SHORTCUTS.get(lesson, {})):
             refusal, _ = SHORTCUTS[lesson][exercise]
             told = errors(autograded, exercise_cells[exercise])
