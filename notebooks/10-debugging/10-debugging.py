@@ -117,8 +117,9 @@ def node_command(node_rank, master_port, out):
 
 
 def run_nodes(commands, deadline=120):
-    """Start the nodes' commands together; their Outcomes once all have ended. The deadline is
-    far above the 7-14 s the two nodes take here, busy or not: only a hang reaches it."""
+    """Start the nodes' commands together; their Outcomes once all have ended. The
+    deadline is far above the 7-14 s two nodes take here, busy or not: only a hang
+    reaches it."""
     env = {**ENV, "LOGLEVEL": "INFO"}
     with contextlib.ExitStack() as stack:
         started = [stack.enter_context(subprocess.Popen(
