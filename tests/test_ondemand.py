@@ -362,6 +362,15 @@ def assert_other_origins_change_nothing(base, session_cookie, browser):
     assert post(f"proxy/{free_port()}/anything", EVIL) == 403
 
 
+def command_line(process):
+    """The process's command line, or none once it has ended (a child of the session that
+    exits while the test lists them, a zombie until it is reaped)."""
+    try:
+        return process.cmdline()
+    except psutil.NoSuchProcess:  # ZombieProcess too
+        return []
+
+
 def assert_kernels_listen_on_no_port(base, token, session):
     """Issue 47, item 10: a kernel started in the session takes its connections over Unix
     sockets beside its connection file, in a folder only its user can enter, and listens on no
@@ -373,7 +382,7 @@ def assert_kernels_listen_on_no_port(base, token, session):
     try:
         deadline = time.monotonic() + 60
         while not (kernels := [child for child in psutil.Process(session.pid).children(True)
-                               if kernel_id in " ".join(child.cmdline())]):
+                               if kernel_id in " ".join(command_line(child))]):
             assert time.monotonic() < deadline, "the kernel never started"
             time.sleep(0.5)
         kernel = kernels[0]
