@@ -105,7 +105,7 @@ assert reference.status == "finished"
 # connect, and only when all have arrived does training start. A batch file that lets each node
 # choose its own port (here `launch.free_port()`, run once per node instead of once for the job)
 # sends the second node to a port where nobody listens. Two `torchrun`s on this machine, as node 0
-# and node 1, show it; `--rdzv-conf timeout=6` makes them give up after 6 s instead of
+# and node 1, show it; `--rdzv-conf timeout=15` makes them give up after 15 s instead of
 # torchrun's default of 15 minutes, and `LOGLEVEL=INFO` makes them say what they wait for.
 
 # %%
@@ -113,13 +113,13 @@ def node_command(node_rank, master_port, out):
     """torchrun on node ``node_rank`` of 2, one process each, meeting at
     127.0.0.1:master_port."""
     return [*launch.torchrun(1, nodes=2, master_port=master_port), "--node-rank",
-            node_rank, "--rdzv-conf", "timeout=6", DDP, *FLAGS, "--out", out]
+            node_rank, "--rdzv-conf", "timeout=15", DDP, *FLAGS, "--out", out]
 
 
 def run_nodes(commands, deadline=120):
     """Start the nodes' commands together; their Outcomes once all have ended. The
-    deadline is far above the 7-14 s two nodes take here, busy or not: only a hang
-    reaches it."""
+    deadline is far above the 7-14 s two nodes take here, busy or not, and the
+    rendezvous's 15 s: only a hang reaches it."""
     env = {**ENV, "LOGLEVEL": "INFO"}
     with contextlib.ExitStack() as stack:
         started = [stack.enter_context(subprocess.Popen(
