@@ -19,6 +19,7 @@ import collections
 import ctypes
 import json
 import os
+import resource
 import shutil
 import struct
 import subprocess
@@ -73,18 +74,34 @@ def set_accounting(path):
                          "(process accounting needs root)")
 
 
+def busy_cpu_seconds():
+    """The machine's CPU-seconds not idle since boot (/proc/stat), whoever used them."""
+    user, nice, system, idle, iowait, *rest = map(int, Path("/proc/stat").read_text()
+                                                  .splitlines()[0].split()[1:])
+    return (user + nice + system + sum(rest)) / os.sysconf("SC_CLK_TCK")
+
+
+def waited_cpu_seconds():
+    """The user + system CPU of the children waited for so far: what `time` counts."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_fresh_clone(clone, folder):
-    """`time .ci/run` in a fresh clone of the kit, with the timeline hook: (exit status, wall s)."""
+    """`.ci/run` in a fresh clone of the kit, with the timeline hook: its exit status, wall
+    seconds, the CPU-seconds `time .ci/run` would print and the machine's busy CPU-seconds."""
     shutil.rmtree(clone, ignore_errors=True)
     subprocess.run(["git", "clone", "--quiet", str(KIT_ROOT), str(clone)], check=True)
     with open(clone / "tests" / "conftest.py", "a") as conftest:
         conftest.write(TIMELINE_HOOK)
-    start = time.monotonic()
+    start, waited, busy = time.monotonic(), waited_cpu_seconds(), busy_cpu_seconds()
     with open(folder / "ci.log", "w") as log:
         status = subprocess.run([str(clone / ".ci" / "run")], cwd=clone, stdout=log,
                                 stderr=subprocess.STDOUT,
                                 env={**os.environ, "SUITE_COST_DIR": str(folder)}).returncode
-    return status, time.monotonic() - start
+    return {"exit_status": status, "wall_s": round(time.monotonic() - start),
+            "time_cpu_s": round(waited_cpu_seconds() - waited),
+            "busy_cpu_s": round(busy_cpu_seconds() - busy)}
 
 
 class Ancestry:
@@ -156,13 +173,12 @@ def record_a_fresh_run(clone):
     (folder / "acct").touch(mode=0o600)  # what every process ran is no one else's business
     set_accounting(folder / "acct")
     try:
-        status, wall = run_fresh_clone(clone, folder)
+        run = run_fresh_clone(clone, folder)
     finally:
         set_accounting(None)
     head = subprocess.run(["git", "-C", str(clone), "rev-parse", "--short", "HEAD"],
                           capture_output=True, text=True).stdout.strip()
-    (folder / "run.json").write_text(json.dumps({"head": head, "exit_status": status,
-                                                 "wall_s": round(wall)}))
+    (folder / "run.json").write_text(json.dumps({"head": head, **run}))
     return folder
 
 
@@ -191,8 +207,8 @@ def main():
                   **{name: round(cpu) for name, cpu in unowned.most_common(8)}},
         "tests": rounded(per_test, args.top), "slurm_tests": rounded(per_slurm_test, args.top)}
     RESULTS.write_text(json.dumps(result, indent=1) + "\n")
-    print(json.dumps({key: result[key] for key in ("head", "exit_status", "wall_s", "processes",
-                                                   "cpu_s")}, indent=1))
+    print(json.dumps({key: value for key, value in result.items()
+                      if key not in ("tests", "slurm_tests")}, indent=1))
     for title, rows in (("tests", result["tests"]), ("slurm jobs, by test", result["slurm_tests"])):
         print(f"--- {title}")
         for name, cpu in rows:
