@@ -128,7 +128,7 @@ class Ancestry:
         return None, names
 
 
-def test_at(tests, when):
+def running_at(tests, when):
     """The test of ``tests`` (one worker's, in order) running at ``when``, or None."""
     running = [test for test in tests if test["start"] - 1 <= when <= test["end"] + 1]
     return running[-1]["id"] if running else None
@@ -156,9 +156,9 @@ def charge(found, tests):
     for process in found:
         worker, names = ancestry.worker_and_names(process, by_worker)
         if worker is not None:
-            owner, test = per_test, test_at(by_worker[worker], process["end"])
+            owner, test = per_test, running_at(by_worker[worker], process["end"])
         elif "slurmstepd" in names:
-            owner, test = per_slurm_test, test_at(by_worker[slurm_worker], process["end"])
+            owner, test = per_slurm_test, running_at(by_worker[slurm_worker], process["end"])
         else:
             owner, test = unowned, unowned_kind(process, names, first_test)
         owner[test or "between tests"] += process["cpu"]
