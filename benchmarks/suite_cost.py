@@ -144,7 +144,8 @@ def unowned_kind(process, names, first_test):
 
 def charge(found, tests):
     """CPU-seconds per test (what its worker started), per Slurm test (its jobs), and per kind of
-    process that no worker started."""
+    process that no worker started. A worker's own CPU (the tests that run in it, not in a
+    process of their own) is known only when the worker ends: it is charged as one item."""
     by_worker = collections.defaultdict(list)
     for test in sorted(tests, key=lambda test: test["start"]):
         by_worker[test["pid"]].append(test)
@@ -155,7 +156,9 @@ def charge(found, tests):
     per_test, per_slurm_test, unowned = (collections.Counter() for _ in range(3))
     for process in found:
         worker, names = ancestry.worker_and_names(process, by_worker)
-        if worker is not None:
+        if process["pid"] in by_worker:  # its CPU is that of the tests run in the worker itself
+            owner, test = per_test, "pytest workers (tests run in-process)"
+        elif worker is not None:
             owner, test = per_test, running_at(by_worker[worker], process["end"])
         elif "slurmstepd" in names:
             owner, test = per_slurm_test, running_at(by_worker[slurm_worker], process["end"])
