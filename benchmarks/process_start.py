@@ -11,13 +11,12 @@ runs reach once it has exited. Writes benchmarks/results/process_start.json.
     .venv/bin/python benchmarks/process_start.py [--repeat 3]
 """
 import argparse
-import resource
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from throughput import machine
+from throughput import children_cpu, machine
 
 from coursekit import KIT_ROOT, launch, runs
 
@@ -31,11 +30,6 @@ IMPORTS = {"nothing": "pass", "torch": "import torch",
            "transformers + peft": "import transformers, peft"}
 TWO_STEPS = ["--preset", "tiny", "--max-steps", "2", "--eval-interval", "2", "--eval-steps", "1",
              "--ckpt-interval", "2", "--sample-tokens", "0", "--device", "cpu"]
-
-
-def children_cpu():
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
 
 
 def cpu_of(work):

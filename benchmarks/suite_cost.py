@@ -19,12 +19,13 @@ import collections
 import ctypes
 import json
 import os
-import resource
 import shutil
 import struct
 import subprocess
 import time
 from pathlib import Path
+
+from throughput import children_cpu
 
 RESULTS = Path(__file__).resolve().parent / "results" / "suite_cost.json"
 KIT_ROOT = Path(__file__).resolve().parents[1]
@@ -81,12 +82,6 @@ def busy_cpu_seconds():
     return (user + nice + system + sum(rest)) / os.sysconf("SC_CLK_TCK")
 
 
-def waited_cpu_seconds():
-    """The user + system CPU of the children waited for so far: what `time` counts."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def run_fresh_clone(clone, folder):
     """`.ci/run` in a fresh clone of the kit, with the timeline hook: its exit status, wall
     seconds, the CPU-seconds `time .ci/run` would print and the machine's busy CPU-seconds."""
@@ -94,13 +89,13 @@ def run_fresh_clone(clone, folder):
     subprocess.run(["git", "clone", "--quiet", str(KIT_ROOT), str(clone)], check=True)
     with open(clone / "tests" / "conftest.py", "a") as conftest:
         conftest.write(TIMELINE_HOOK)
-    start, waited, busy = time.monotonic(), waited_cpu_seconds(), busy_cpu_seconds()
+    start, waited, busy = time.monotonic(), children_cpu(), busy_cpu_seconds()
     with open(folder / "ci.log", "w") as log:
         status = subprocess.run([str(clone / ".ci" / "run")], cwd=clone, stdout=log,
                                 stderr=subprocess.STDOUT,
                                 env={**os.environ, "SUITE_COST_DIR": str(folder)}).returncode
     return {"exit_status": status, "wall_s": round(time.monotonic() - start),
-            "time_cpu_s": round(waited_cpu_seconds() - waited),
+            "time_cpu_s": round(children_cpu() - waited),
             "busy_cpu_s": round(busy_cpu_seconds() - busy)}
 
 

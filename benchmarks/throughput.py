@@ -9,6 +9,7 @@ description of the machine.
 """
 import argparse
 import platform
+import resource
 import statistics
 import subprocess
 import sys
@@ -28,6 +29,12 @@ def cpu_model():
         if line.startswith("model name"):
             return line.split(":", 1)[1].strip()
     return platform.processor() or platform.machine()
+
+
+def children_cpu():
+    """The user + system CPU-seconds of the children waited for so far (what `time` counts)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 def machine():
