@@ -43,13 +43,9 @@ def kit_copy(folder):
 
 def make(kit, *args, env=None):
     """`make` in ``kit``, as a trainee runs it: not as a child of the suite's own `make test`,
-    whose jobserver variables would make it warn first. Its installs compile no bytecode ahead
-    (PIP_COMPILE=0; PIP_NO_COMPILE=1 would compile, since pip reads the value as that of the
-    option the variable names): the test imports a few of the thousands of modules, which Python
-    compiles then (torch alone installed in 19.6 CPU-seconds with bytecode, 12.1 without)."""
+    whose jobserver variables would make it warn first."""
     env = {name: value for name, value in (env or os.environ).items()
            if name not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
-    env["PIP_COMPILE"] = "0"
     return subprocess.run(["make", "--no-print-directory", *args], cwd=kit, capture_output=True,
                           text=True, timeout=1800, env=env)
 
