@@ -131,21 +131,22 @@ $(SHAPES_DATA): $(INSTALLED)
 # The pretrained model lesson 05 fine-tunes: the std stage's tiny run, in Hugging Face format.
 # The corpus is needed first, but preparing it again (the Slurm tests' data job does, with the
 # same content) must not train and export the model again while lessons and tests read it:
-# order-only. The export needs transformers, from the second install. One thread, since pip has
-# the other core: a second thread would wait for it, spinning (0.6 CPU-s a step instead of 0.5
-# on an idle machine, measured before the loss's rework). One thread: 131 CPU-s for the run in a
-# fresh `make test` (2026-11-30).
+# order-only. The export needs transformers, from the second install. Two threads: 0.24 s a step
+# against 0.39 for one, for 1.2 times the CPU (measured on an idle 2-core machine, 2026-12-06).
+# The set-up waits for this run, and since pip no longer compiles bytecode the second install
+# shares the cores with it for 20 s only.
 $(BASE_RUN): $(CORE) | $(BUILTIN_DATA)
-	OMP_NUM_THREADS=1 $(BIN)/python solutions/train_gpt2_std.py --preset tiny --data data/builtin --out runs/base-tiny \
+	OMP_NUM_THREADS=2 $(BIN)/python solutions/train_gpt2_std.py --preset tiny --data data/builtin --out runs/base-tiny \
 	  --resume
 	touch $@
 
 # The tests' first ZeRO run would compile DeepSpeed's CPU communication op; the set-up does it
-# instead, on the core that the base model's training leaves free once pip is done: one compiler
-# at a time (MAX_JOBS, torch.utils.cpp_extension's), since ninja would otherwise compile the op's
-# two files at once and take the base model's core (its steps took 0.77 s instead of 0.41 for
-# the build's 42 s, measured in a fresh set-up, 2026-11-30).
-$(DEEPSPEED_OP): $(INSTALLED)
+# instead, once the base model has trained, beside the export and the embedder: the base model's
+# two threads need both cores (beside the build, its steps took 0.77 s instead of 0.41 even with
+# one thread, in a fresh set-up, 2026-11-30). One compiler at a time (MAX_JOBS,
+# torch.utils.cpp_extension's): ninja would otherwise compile the op's two files at once and
+# take both cores from the embedder.
+$(DEEPSPEED_OP): $(INSTALLED) | $(BASE_RUN)
 	MAX_JOBS=1 $(BIN)/python -c "from deepspeed.accelerator import get_accelerator; \
 	  op = get_accelerator().create_op_builder('ShareMemCommBuilder'); \
 	  op and op.is_compatible() and op.load()"

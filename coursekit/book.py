@@ -23,6 +23,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -33,6 +34,7 @@ from jupyter_cache import get_cache
 from jupyter_cache.base import CacheBundleIn
 from jupyter_cache.executors.utils import single_nb_execution
 from nbgrader.preprocessors import ClearHiddenTests, ClearSolutions
+from traitlets.config import Config
 
 from coursekit import KIT_ROOT, KitError, grading
 
@@ -105,12 +107,24 @@ def executed(notebook, cache_dir, timeout):
         pass
     # single_nb_execution is jupyter-cache's (and so Jupyter Book's) nbclient run: it keeps the
     # widgets' state in the notebook's metadata, so that the book can draw them without a kernel
-    result = single_nb_execution(source, cwd=str(Path(notebook).parent), timeout=timeout,
-                                 allow_errors=False, meta_override=True)
+    with tempfile.TemporaryDirectory(prefix="kit-jupyter-") as runtime:
+        result = single_nb_execution(source, cwd=str(Path(notebook).parent), timeout=timeout,
+                                     allow_errors=False, meta_override=True,
+                                     config=private_kernel(runtime))
     if result.err is not None:
         raise KitError(f"{Path(notebook).name} failed to execute:\n{result.exc_string}")
     keep_execution(source, notebook, cache_dir)
     return source
+
+
+def private_kernel(runtime):
+    """nbclient's configuration for a kernel over IPC, as `make lab` runs its kernels
+    (launch.lab_command): its connection file and Unix sockets in ``runtime``, a folder of the
+    user's own (0700). Over TCP, its default, the kernel's ports on 127.0.0.1 would let any user
+    of a shared login node subscribe to everything the lesson prints, solutions' outputs
+    included (the messages are signed, so they could not run code in it)."""
+    return Config({"KernelManager": {"transport": "ipc",
+                                     "connection_file": os.path.join(runtime, "kernel.json")}})
 
 
 def keep_execution(executed_notebook, notebook, cache_dir):

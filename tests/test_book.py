@@ -1,4 +1,5 @@
 """The Jupyter Book: builds with warnings as errors, lessons executed, every page reachable."""
+import json
 import os
 import re
 import socket
@@ -287,16 +288,48 @@ def test_instructors_notes_show_in_the_instructors_edition_alone(html, instructo
         assert [note for note in notes if note in reader_site] == []
 
 
-def lesson_that_sleeps(folder, name, code):
-    """A notebook ``name`` whose one cell writes when it started and ended, around ``code``."""
-    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(
-        "import time, pathlib\nstarted = time.time()\n" + code +
-        f"\npathlib.Path('{name}.times').write_text(f'{{started}} {{time.time()}}')")])
+def one_cell_lesson(folder, name, code):
+    """A notebook ``name`` in ``folder`` whose one cell is ``code``."""
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)])
     notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
                                        "language": "python"}
     path = folder / f"{name}.ipynb"
     nbformat.write(notebook, path)
     return path
+
+
+def lesson_that_sleeps(folder, name, code):
+    """A notebook ``name`` whose one cell writes when it started and ended, around ``code``."""
+    written = f"pathlib.Path('{name}.times').write_text(f'{{started}} {{time.time()}}')"
+    return one_cell_lesson(folder, name,
+                           f"import time, pathlib\nstarted = time.time()\n{code}\n{written}")
+
+
+# what the kernel executing a lesson can tell of how others could reach it
+KERNELS_REACH = """
+import json, os, pathlib, psutil
+from ipykernel.connect import get_connection_info
+info = get_connection_info(unpack=True)
+folder = os.path.dirname(info["ip"])  # of its sockets, over IPC
+pathlib.Path("reach.json").write_text(json.dumps({
+    "transport": info["transport"], "folder": folder,
+    "mode_and_owner": folder and [os.stat(folder).st_mode & 0o777, os.stat(folder).st_uid],
+    "listening": [connection.laddr for connection in psutil.Process().net_connections("inet")
+                  if connection.status == psutil.CONN_LISTEN]}))
+"""
+
+
+def test_the_books_kernels_listen_on_no_port_and_keep_their_sockets_private(tmp_path):
+    """On a shared login node, a kernel's TCP ports would let any user subscribe to all that a
+    lesson prints while `make book` executes it: the book's kernels use Unix sockets, in a folder
+    of the builder's own that goes when the lesson ends."""
+    book.executed(one_cell_lesson(tmp_path, "reach", KERNELS_REACH), tmp_path / "cache", 60)
+    reach = json.loads((tmp_path / "reach.json").read_text())
+    # over TCP, 6 ports: the 5 channels and ipykernel's pipe for the output of forked processes,
+    # which drops every message without the kernel's key; over IPC, that pipe alone
+    assert reach["transport"] == "ipc" and len(reach["listening"]) <= 1, reach
+    assert reach["mode_and_owner"] == [0o700, os.getuid()]
+    assert not Path(reach["folder"]).exists()
 
 
 def test_lessons_without_an_execution_run_two_at_a_time_into_the_cache(tmp_path):
