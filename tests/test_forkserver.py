@@ -85,6 +85,29 @@ def test_a_failed_rank_gets_the_group_killed_instead_of_a_hang(tmp_path):
     assert result.returncode == 1
 
 
+def test_a_group_past_its_deadline_is_killed_saying_where_each_run_was(tmp_path):
+    """A hung group (here, one rank waits in a barrier for a rank that sleeps) is killed at its
+    deadline, and the error says what the runs wrote and where each one was stuck: a hang that
+    a loaded machine turns up once in many runs can then be read from the log."""
+    command = script(tmp_path, "hangs.py", """
+        import os, time, torch.distributed as dist
+        def waits_for_the_other():
+            dist.barrier()
+        def sleeps_instead():
+            time.sleep(600)
+        dist.init_process_group("gloo")
+        print(f"rank {os.environ['RANK']} started", flush=True)
+        (sleeps_instead if os.environ["RANK"] == "1" else waits_for_the_other)()
+        """)
+    env, port = kit_env(), free_port()
+    with pytest.raises(subprocess.TimeoutExpired) as expired:
+        FORK_SERVER.group([command] * 2, [torchrun_worker_env(env, rank, 2, port)
+                                          for rank in range(2)], tmp_path, 10)
+    said = "\n".join(expired.value.__notes__)
+    assert "rank 0 started" in said and "rank 1 started" in said, said
+    assert "waits_for_the_other" in said and "sleeps_instead" in said, said
+
+
 def test_a_run_whose_imports_would_read_another_environment_is_refused():
     """A variable that a library may read when imported (here huggingface_hub's offline switch)
     differs from the server's: the server refuses, and the caller starts a process of its own."""

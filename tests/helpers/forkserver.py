@@ -160,7 +160,8 @@ class Server:
 def read_both(out_read, err_read, runs, timeout):
     """Everything the runs write to the two pipes, as text, read until every run has exited;
     a run that fails gets the others killed; past ``timeout`` seconds all are killed and
-    subprocess.TimeoutExpired raised. Closes both pipes."""
+    subprocess.TimeoutExpired raised, with a note of what they wrote and where each was stuck.
+    Closes both pipes."""
     chunks = {out_read: [], err_read: []}
     deadline = time.monotonic() + timeout
     with selectors.DefaultSelector() as selector:
@@ -172,8 +173,14 @@ def read_both(out_read, err_read, runs, timeout):
             while selector.get_map():
                 left = deadline - time.monotonic()
                 if left <= 0:
+                    stacks = [stack_of(run) for run in runs if run.returncode is None]
                     kill_all(runs)
-                    raise subprocess.TimeoutExpired(runs[0].args, timeout)
+                    expired = subprocess.TimeoutExpired(runs[0].args, timeout)
+                    written = [b"".join(chunks[fd]).decode(errors="replace")[-3000:]
+                               for fd in (out_read, err_read)]
+                    expired.add_note("\n".join(["--- stdout:", written[0], "--- stderr:",
+                                                 written[1], *stacks]))
+                    raise expired
                 for key, _ in selector.select(left):
                     if key.data is None:
                         read_into(chunks[key.fd], key.fd, selector)
@@ -186,6 +193,15 @@ def read_both(out_read, err_read, runs, timeout):
             os.close(out_read)
             os.close(err_read)
     return tuple(b"".join(chunks[fd]).decode(errors="replace") for fd in (out_read, err_read))
+
+
+def stack_of(run):
+    """Where a run that is still running is: the Python stack of each of its threads, as py-spy
+    dumps it from outside."""
+    py_spy = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    dump = subprocess.run([py_spy, "dump", "--pid", str(run.pid)], capture_output=True,
+                          text=True, timeout=60)
+    return f"--- the stacks of run {run.pid}:\n{dump.stdout or dump.stderr}"
 
 
 def read_into(chunks, fd, selector):
