@@ -131,10 +131,10 @@ $(SHAPES_DATA): $(INSTALLED)
 # The pretrained model lesson 05 fine-tunes: the std stage's tiny run, in Hugging Face format.
 # The corpus is needed first, but preparing it again (the Slurm tests' data job does, with the
 # same content) must not train and export the model again while lessons and tests read it:
-# order-only. The export needs transformers, from the second install. Two threads: 0.24 s a step
-# against 0.39 for one, for 1.2 times the CPU (measured on an idle 2-core machine, 2026-12-06).
-# The set-up waits for this run, and since pip no longer compiles bytecode the second install
-# shares the cores with it for 20 s only.
+# order-only. The export needs transformers, from the second install. Two threads, since the
+# set-up waits for this run: in a fresh `make test` (2026-12-06), beside the second install, it
+# took 104 s and 169 CPU-s, where one thread took 127 s and 125 CPU-s; alone, 0.24 s a step
+# against 0.39.
 $(BASE_RUN): $(CORE) | $(BUILTIN_DATA)
 	OMP_NUM_THREADS=2 $(BIN)/python solutions/train_gpt2_std.py --preset tiny --data data/builtin --out runs/base-tiny \
 	  --resume
