@@ -23,7 +23,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -36,7 +35,7 @@ from jupyter_cache.executors.utils import single_nb_execution
 from nbgrader.preprocessors import ClearHiddenTests, ClearSolutions
 from traitlets.config import Config
 
-from coursekit import KIT_ROOT, KitError, grading
+from coursekit import KIT_ROOT, KitError, grading, launch
 
 EDITIONS = ("reader", "instructor")
 #: What Jupyter Book reads besides the lessons: the configuration, the table of contents, the
@@ -107,10 +106,13 @@ def executed(notebook, cache_dir, timeout):
         pass
     # single_nb_execution is jupyter-cache's (and so Jupyter Book's) nbclient run: it keeps the
     # widgets' state in the notebook's metadata, so that the book can draw them without a kernel
-    with tempfile.TemporaryDirectory(prefix="kit-jupyter-") as runtime:
+    runtime = launch.lab_runtime_dir()  # under /tmp: a socket's path is 107 bytes at most
+    try:
         result = single_nb_execution(source, cwd=str(Path(notebook).parent), timeout=timeout,
                                      allow_errors=False, meta_override=True,
                                      config=private_kernel(runtime))
+    finally:
+        shutil.rmtree(runtime, ignore_errors=True)
     if result.err is not None:
         raise KitError(f"{Path(notebook).name} failed to execute:\n{result.exc_string}")
     keep_execution(source, notebook, cache_dir)
